@@ -1,0 +1,76 @@
+"""Run a Python module or script under ``mpiexec`` with a deadline, and reap it.
+
+Tests and benchmarks launch their own MPI jobs; a collective that never completes
+must end in a clear timeout, not a CI job that hangs. The job runs in its own
+process group so that the deadline kills mpiexec *and* every rank it started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pcourse.cluster import find_mpiexec
+
+
+class MPIJobError(RuntimeError):
+    """An MPI job failed or timed out; the message carries its output tail."""
+
+
+def mpirun(
+    n: int,
+    args: Sequence[str],
+    *,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+    cwd: str | os.PathLike[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python *args`` on n MPI ranks; return its completed process (text output).
+
+    ``args`` follow the Python interpreter: ``["-m", "pcourse.commbench", ...]`` or
+    ``["path/to/script.py", ...]``.
+    """
+    if n < 1:
+        raise ValueError(f"n must be at least 1 rank, got {n}")
+    mpiexec = find_mpiexec()
+    full_env = dict(os.environ)
+    full_env["PATH"] = f"{Path(mpiexec).parent}{os.pathsep}{full_env.get('PATH', '')}"
+    full_env.update(env or {})
+    cmd = [mpiexec, "-n", str(n), sys.executable, *args]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        start_new_session=True,  # own process group: the deadline reaps every rank
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise MPIJobError(
+            f"`{' '.join(cmd)}` did not finish within {timeout:.0f} s and was killed. "
+            f"Output tail:\n{_tail(out)}"
+        ) from None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    if check and proc.returncode != 0:
+        raise MPIJobError(
+            f"`{' '.join(cmd)}` exited with code {proc.returncode}. Output tail:\n{_tail(out)}"
+        )
+    return result
+
+
+def _tail(text: str | None, lines: int = 40) -> str:
+    return "\n".join((text or "").strip().splitlines()[-lines:]) or "(no output)"
