@@ -62,6 +62,19 @@ def check_op(op: str) -> str:
     return op
 
 
+def check_avg_dtype(tensor: torch.Tensor, op: str) -> None:
+    """Refuse ``avg`` of an integer tensor: sum / size does not fit in place.
+
+    Every backend computes avg as sum then divide; an integer tensor would need a
+    silent rounding choice, so the caller decides (reduce with sum, then divide).
+    """
+    if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(
+            f"op 'avg' needs a floating-point tensor, got {tensor.dtype}; "
+            "use op='sum' and divide by size yourself"
+        )
+
+
 class Backend(ABC):
     """What data-parallel training needs from a communication library."""
 
@@ -96,6 +109,7 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release communicators; the backend must not be used afterwards."""
+        return None
 
     def __enter__(self) -> Backend:
         return self
@@ -196,6 +210,6 @@ def backend_status() -> list[BackendStatus]:
         if reason:
             rows.append(BackendStatus(name, False, reason))
         else:
-            on = "GPU" if name.startswith("nccl") else "CPU" + ("/GPU" if name != "gloo" else "")
-            rows.append(BackendStatus(name, True, f"usable ({on})"))
+            on = "GPU" if name.startswith("nccl") else "CPU"
+            rows.append(BackendStatus(name, True, f"runs on {on}"))
     return rows

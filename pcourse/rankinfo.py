@@ -45,8 +45,8 @@ def init_rank() -> RankInfo:
     global _info
     if _info is not None:
         return _info
-    from mpi4py import MPI
     import torch
+    from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)

@@ -1,0 +1,207 @@
+"""What DDP does under the hood: flat gradient buckets, reduced while backward runs.
+
+Averaging gradients one parameter at a time sends many small messages, and every
+message pays the latency (alpha) of the network again. Two ideas fix that:
+
+1. **Buckets.** Lay the gradients out back to back in a few large flat tensors
+   (25 MB each by default, as DDP does) and reduce each bucket with one collective:
+   a handful of large messages instead of one per parameter.
+2. **Overlap.** Backward produces gradients from the last layer to the first, so a
+   bucket of the last layers' gradients is complete long before backward ends.
+   A hook on every parameter notices when its bucket is complete and starts a
+   non-blocking allreduce right away; communication then runs while autograd is
+   still computing the earlier layers. ``finish()`` waits before the optimizer step.
+
+Usage, once per step::
+
+    reducer = BucketedAllreduce(model, backend)     # once, after freezing layers
+    loss.backward()                                 # hooks launch full buckets
+    reducer.finish()                                # wait; p.grad is the average
+    optimizer.step(); optimizer.zero_grad()
+
+Rules that keep every rank issuing the *same collectives in the same order*
+(collectives are matched by order, so a mismatch is a hang or a wrong answer):
+
+- Buckets are launched strictly in index order, even if a later bucket fills first.
+- A parameter that got no gradient on this rank contributes zeros; ``finish()``
+  fills it in and launches whatever is still pending.
+- Each bucket carries one extra number per parameter: 1 if this rank has a gradient
+  for it. After the average, 0 means *no* rank had one; that gradient is left as
+  ``None`` (as in a single-process run, and as DDP does), so optimizers with weight
+  decay or momentum skip it exactly as they would without parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+
+from pcourse.backends import Backend, Work
+
+
+@dataclass
+class Bucket:
+    """Gradients of ``params`` laid out back to back in ``flat``, then one flag each."""
+
+    params: list[nn.Parameter]
+    flat: torch.Tensor  # [grad of params[0] | grad of params[1] | ... | flags]
+    views: list[torch.Tensor]  # views[i]: params[i]'s gradient, a view into flat
+    has_grad: list[float] = field(default_factory=list)  # this step's flags, per param
+    staged: list[bool] = field(default_factory=list)  # gradient already in flat?
+    work: Work | None = None
+
+    def reset(self) -> None:
+        self.has_grad = [0.0] * len(self.params)
+        self.staged = [False] * len(self.params)
+        self.work = None
+
+    @property
+    def complete(self) -> bool:
+        return all(self.staged)
+
+
+def plan_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """Group parameters, in the order given, into buckets of at most ``cap_bytes``.
+
+    One bucket holds one dtype on one device (a flat tensor has one of each). A
+    parameter larger than the cap gets a bucket of its own.
+    """
+    buckets: list[list[nn.Parameter]] = []
+    open_: dict[tuple[torch.device, torch.dtype], tuple[list[nn.Parameter], int]] = {}
+    for p in params:
+        key, nbytes = (p.device, p.dtype), p.numel() * p.element_size()
+        current, used = open_.get(key, (None, 0))
+        if current is None or (current and used + nbytes > cap_bytes):
+            current, used = [], 0
+            buckets.append(current)
+        current.append(p)
+        open_[key] = (current, used + nbytes)
+    return buckets
+
+
+def _make_bucket(params: list[nn.Parameter]) -> Bucket:
+    sizes = [p.numel() for p in params]
+    flat = torch.zeros(sum(sizes) + len(params), dtype=params[0].dtype, device=params[0].device)
+    grads = flat.split(sizes + [len(params)])[:-1]  # the last piece is the flags
+    views = [g.view_as(p) for g, p in zip(grads, params, strict=True)]
+    bucket = Bucket(params, flat, views)
+    bucket.reset()
+    return bucket
+
+
+class BucketedAllreduce:
+    """Average the gradients of ``model`` across ranks, one collective per bucket.
+
+    Parameters are bucketed in *reverse* registration order (as DDP does) because
+    backward usually reaches the last-registered layers first. Frozen parameters
+    (``requires_grad=False``) are left out; a parameter reached twice (tied weights)
+    is one ``Parameter`` object, listed once by ``model.parameters()``, so it is
+    reduced once.
+
+    Gradients and buckets: after the first step each ``p.grad`` *is* a view into its
+    bucket, so autograd accumulates straight into the bucket and the next step needs
+    no copy (when the optimizer zeroes with ``set_to_none=False``). A gradient that is
+    not the view (the first step, or after ``zero_grad(set_to_none=True)``) is copied
+    in once, in the hook, and then replaced by the view. The copy happens in the hook,
+    not after backward, so it overlaps with the rest of backward too.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: Backend,
+        bucket_cap_mb: float = 25.0,
+        overlap: bool = True,
+    ) -> None:
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        params = [p for p in model.parameters() if p.requires_grad][::-1]
+        if not params:
+            raise ValueError("the model has no parameter with requires_grad=True to reduce")
+        self.backend, self.overlap = backend, overlap
+        cap = max(1, int(bucket_cap_mb * 2**20))
+        self.buckets = [_make_bucket(group) for group in plan_buckets(params, cap)]
+        self._next = 0  # index of the next bucket to launch: launches go in order
+        self._hooks = []
+        if overlap:
+            for b, bucket in enumerate(self.buckets):
+                for i, p in enumerate(bucket.params):
+                    hook = partial(self._on_grad_ready, b, i)
+                    self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _stage(self, bucket: Bucket, i: int) -> None:
+        """Put parameter i's local gradient into the bucket (zeros if it has none)."""
+        p, view = bucket.params[i], bucket.views[i]
+        if p.grad is None:
+            view.zero_()
+        else:
+            if p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+            bucket.has_grad[i] = 1.0
+        bucket.staged[i] = True
+
+    def _on_grad_ready(self, b: int, i: int, param: nn.Parameter) -> None:
+        """Autograd hook: parameter i of bucket b has its gradient for this step."""
+        bucket = self.buckets[b]
+        if bucket.staged[i]:
+            raise RuntimeError(
+                "a gradient arrived twice before finish(): call reducer.finish() after "
+                "every backward, or use overlap=False to accumulate over several backwards"
+            )
+        self._stage(bucket, i)
+        self._launch_in_order()
+
+    def _launch_in_order(self) -> None:
+        """Start every complete bucket, in index order, stopping at the first gap."""
+        while self._next < len(self.buckets) and self.buckets[self._next].complete:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        n = len(bucket.params)
+        bucket.flat[-n:] = torch.tensor(bucket.has_grad, dtype=bucket.flat.dtype)
+        if self.overlap:
+            bucket.work = self.backend.allreduce_async(bucket.flat, "avg")
+        else:
+            self.backend.allreduce(bucket.flat, "avg")
+
+    def finish(self) -> None:
+        """Reduce what backward left pending, wait for every bucket, set ``p.grad``.
+
+        Call it after ``backward()`` and before ``optimizer.step()``, on every rank.
+        """
+        for bucket in self.buckets[self._next :]:
+            for i, staged in enumerate(bucket.staged):
+                if not staged:
+                    self._stage(bucket, i)
+            self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            self._unpack(bucket)
+            bucket.reset()
+        self._next = 0
+
+    @staticmethod
+    def _unpack(bucket: Bucket) -> None:
+        """Point each gradient at its averaged view; None where no rank had one."""
+        anyone = bucket.flat[-len(bucket.params) :].tolist()
+        for p, view, flag in zip(bucket.params, bucket.views, anyone, strict=True):
+            p.grad = view if flag > 0 else None
+
+    def remove(self) -> None:
+        """Detach the hooks; the model trains as if this reducer never existed."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(str(len(b.params)) for b in self.buckets)
+        return (
+            f"<BucketedAllreduce {len(self.buckets)} buckets (params per bucket: {sizes}), "
+            f"overlap={self.overlap}, backend={self.backend.name}>"
+        )

@@ -1,0 +1,228 @@
+"""Allreduce written from point-to-point messages: tree, ring and recursive doubling.
+
+MPI, NCCL and Gloo all offer one call, ``allreduce``; how it moves the data decides
+how fast it is. Here are the three classic algorithms, each a few lines of mpi4py
+``Send``/``Recv``/``Sendrecv`` on numpy buffers, so a learner can read every message
+that crosses the wire, check the result against MPI's own ``Allreduce``, and time it.
+
+The alpha-beta model prices a message of N bytes at α + N·β (α: latency per
+message, β: seconds per byte). An algorithm's cost is then (steps)·α + (bytes each
+rank sends in turn)·β; :func:`cost_terms` gives both numbers for each algorithm,
+:func:`cost_model` the predicted time, :func:`fit_alpha_beta` α and β from timings.
+The time spent reducing (adding the numbers) is left out of the model: on one
+machine it is of the same order as copying, so it shows up inside the fitted β.
+
+Every function works on any number of ranks p >= 1 (powers of two or not), any
+length (0 and shorter than p included), ops sum/max/min/prod, in place or into
+``out``. Torch CPU tensors are accepted and reduced through a numpy view of their
+memory.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+ALGORITHMS = ("tree", "ring", "recursive-doubling")
+
+
+class LengthMismatchError(ValueError):
+    """Ranks called the same allreduce with buffers of different lengths."""
+
+
+def _as_array(x: Any, name: str) -> np.ndarray:
+    """A flat numpy view of ``x`` (numpy array or CPU torch tensor), never a copy."""
+    if hasattr(x, "numpy") and not isinstance(x, np.ndarray):  # a torch tensor
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} is on {x.device}; these collectives need CPU memory")
+        x = x.detach().numpy()  # shares the tensor's memory
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array or a CPU torch tensor, got {type(x)}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name} must be contiguous (MPI sends raw memory); use .copy()")
+    return x.reshape(-1)
+
+
+def _check_same_length(comm: Any, n: int) -> None:
+    """Refuse to start when ranks disagree on the length: it would deadlock or corrupt.
+
+    One tiny MPI Allreduce gives the largest n and the largest -n (= minus the smallest).
+    """
+    from mpi4py import MPI
+
+    both = np.array([n, -n], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
+    if both[0] != -both[1]:
+        raise LengthMismatchError(
+            f"allreduce needs the same length on every rank, but lengths range from "
+            f"{-both[1]} to {both[0]} (this rank: {n}). Pass equally sized buffers."
+        )
+
+
+def _prepare(x: Any, op: str, out: Any, comm: Any, check: bool):
+    """Shared set-up: the buffer to reduce into, the numpy ufunc, the communicator."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
+    src = _as_array(x, "input")
+    result = x if out is None else out
+    buf = src if out is None else _as_array(out, "out")
+    if buf.shape != src.shape or buf.dtype != src.dtype:
+        raise ValueError(f"out must match the input: {buf.dtype}{buf.shape} vs {src.dtype}"
+                         f"{src.shape}")
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    if check:
+        _check_same_length(comm, src.size)
+    if buf is not src:
+        buf[...] = src
+    return buf, OPS[op], comm, result
+
+
+def tree_allreduce(x: Any, op: str = "sum", *, out: Any = None, comm: Any = None,
+                   check: bool = True) -> Any:
+    """Reduce to rank 0 along a binomial tree, then broadcast back down the same tree.
+
+    Step d = 1, 2, 4, ...: a rank whose lowest set bit is d sends everything it has
+    summed so far to rank - d and is done; the receiver adds it in. After
+    ceil(log2 p) steps rank 0 holds the result, and the broadcast replays the steps
+    backwards. Every step moves the whole message, so the cost is
+    2·ceil(log2 p)·(α + N·β): fine for small N, wasteful for large N because most
+    ranks sit idle while a few links carry everything.
+    """
+    buf, reduce, comm, result = _prepare(x, op, out, comm, check)
+    rank, p = comm.rank, comm.size
+    if buf.size == 0 or p == 1:
+        return result
+    incoming = np.empty_like(buf)
+    d = 1
+    while d < p:  # reduce towards rank 0
+        if rank & d:  # lowest set bit: hand my partial result to my parent
+            comm.Send(buf, dest=rank - d, tag=1)
+            break
+        if rank + d < p:
+            comm.Recv(incoming, source=rank + d, tag=1)
+            reduce(buf, incoming, out=buf)
+        d *= 2
+    # broadcast: receive from the parent I sent to, then serve my own children
+    d = rank & -rank if rank else 1 << (p - 1).bit_length()
+    if rank:
+        comm.Recv(buf, source=rank - d, tag=2)
+    d //= 2
+    while d >= 1:
+        if rank + d < p:
+            comm.Send(buf, dest=rank + d, tag=2)
+        d //= 2
+    return result
+
+
+def ring_allreduce(x: Any, op: str = "sum", *, out: Any = None, comm: Any = None,
+                   check: bool = True) -> Any:
+    """Reduce-scatter then allgather around a ring, one chunk (N/p bytes) per step.
+
+    The message is cut into p chunks. Reduce-scatter: in each of p-1 steps every rank
+    sends one chunk to its right neighbour and adds the chunk arriving from its left;
+    afterwards rank r owns the complete result for chunk r+1. Allgather: p-1 more
+    steps pass the finished chunks around. Every link is busy in every step, so the
+    cost is 2(p-1)·α + 2(p-1)/p·N·β: the bandwidth-optimal bound, paid for with
+    latency that grows with p. NCCL and Gloo use this for large messages.
+    """
+    buf, reduce, comm, result = _prepare(x, op, out, comm, check)
+    rank, p = comm.rank, comm.size
+    if buf.size == 0 or p == 1:
+        return result
+    chunks = np.array_split(buf, p)  # views into buf; sizes differ by at most one
+    incoming = np.empty_like(chunks[0])  # chunk 0 is a largest one
+    right, left = (rank + 1) % p, (rank - 1) % p
+    for step in range(p - 1):  # reduce-scatter
+        send, recv = chunks[(rank - step) % p], chunks[(rank - step - 1) % p]
+        got = incoming[: recv.size]
+        comm.Sendrecv(send, dest=right, sendtag=3, recvbuf=got, source=left, recvtag=3)
+        reduce(recv, got, out=recv)
+    for step in range(p - 1):  # allgather: pass the finished chunks on
+        send, recv = chunks[(rank - step + 1) % p], chunks[(rank - step) % p]
+        comm.Sendrecv(send, dest=right, sendtag=4, recvbuf=recv, source=left, recvtag=4)
+    return result
+
+
+def recursive_doubling_allreduce(x: Any, op: str = "sum", *, out: Any = None,
+                                 comm: Any = None, check: bool = True) -> Any:
+    """Swap with the partner at distance 1, 2, 4, ... and reduce, until all hold the result.
+
+    After the step with distance d every rank holds the reduction over its group of 2d
+    ranks, so log2(p) steps suffice and nobody waits for a root: cost
+    log2(p)·(α + N·β), half the tree's. It needs a power of two, so when p is not
+    one, the q = p - 2^k extra ranks first fold their data into a partner among the
+    first q ranks and get the result back at the end: two more steps.
+    """
+    buf, reduce, comm, result = _prepare(x, op, out, comm, check)
+    rank, p = comm.rank, comm.size
+    if buf.size == 0 or p == 1:
+        return result
+    p2 = 1 << (p.bit_length() - 1)  # largest power of two <= p
+    if rank >= p2:  # an extra rank: fold in, wait for the answer
+        comm.Send(buf, dest=rank - p2, tag=5)
+        comm.Recv(buf, source=rank - p2, tag=6)
+        return result
+    incoming = np.empty_like(buf)
+    if rank + p2 < p:
+        comm.Recv(incoming, source=rank + p2, tag=5)
+        reduce(buf, incoming, out=buf)
+    d = 1
+    while d < p2:
+        comm.Sendrecv(buf, dest=rank ^ d, sendtag=7, recvbuf=incoming, source=rank ^ d,
+                      recvtag=7)
+        reduce(buf, incoming, out=buf)
+        d *= 2
+    if rank + p2 < p:
+        comm.Send(buf, dest=rank + p2, tag=6)
+    return result
+
+
+def cost_terms(method: str, p: int) -> tuple[float, float]:
+    """(messages in sequence, bytes sent per byte of data) for one allreduce on p ranks.
+
+    The time is then steps·α + volume·N·β; for p = 1 nothing is sent.
+    """
+    if p < 1:
+        raise ValueError(f"p must be at least 1, got {p}")
+    if p == 1:
+        return 0.0, 0.0
+    if method == "tree":
+        steps = 2 * math.ceil(math.log2(p))
+        return steps, steps
+    if method == "ring":
+        return 2 * (p - 1), 2 * (p - 1) / p
+    if method == "recursive-doubling":
+        steps = int(math.log2(p)) + (0 if p & (p - 1) == 0 else 2)
+        return steps, steps
+    raise ValueError(f"no cost model for {method!r}; use one of {', '.join(ALGORITHMS)}")
+
+
+def cost_model(method: str, p: int, nbytes: Any, alpha: float, beta: float) -> Any:
+    """Predicted seconds of an allreduce of ``nbytes`` (a number or an array)."""
+    steps, volume = cost_terms(method, p)
+    return steps * alpha + volume * np.asarray(nbytes, dtype=float) * beta
+
+
+def fit_alpha_beta(sizes_bytes: Any, times: Any) -> tuple[float, float]:
+    """Least-squares a, b of t = a + b·N, weighted so every size counts alike.
+
+    Sizes span seven orders of magnitude; a plain fit would be dominated by the
+    largest messages and leave the latency a (microseconds) to chance. Dividing each
+    equation by its t minimises the relative error instead. For a method with
+    cost_terms (steps, volume), the link's α = a/steps and β = b/volume.
+    """
+    n = np.asarray(sizes_bytes, dtype=float)
+    t = np.asarray(times, dtype=float)
+    if n.shape != t.shape or n.ndim != 1:
+        raise ValueError(f"sizes and times must be 1-D and equally long: {n.shape}, {t.shape}")
+    if np.unique(n).size < 2 or np.any(t <= 0):
+        raise ValueError("need at least two different sizes and positive times to fit")
+    design = np.stack([np.ones_like(n), n], axis=1) / t[:, None]
+    (a, b), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    return float(a), float(b)

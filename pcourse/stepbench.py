@@ -1,0 +1,274 @@
+"""Per-step time of every gradient-averaging strategy, side by side with torch DDP.
+
+``python -m pcourse.stepbench --ranks 2 4`` (or ``python -m pcourse.bench steps ...``)
+times one training step (forward, backward, gradient averaging, optimizer step) of
+the same model on the same data, for:
+
+===================  ==========  ==============================================
+path                 backend     what averages the gradients
+===================  ==========  ==============================================
+per-param pickle     mpi-pickle  the source: one pickled allreduce per parameter
+per-param buffer     mpi         one in-place ``Allreduce`` per parameter
+bucketed             gloo/nccl   BucketedAllreduce(overlap=False)
+bucketed+overlap     gloo/nccl   BucketedAllreduce(overlap=True)
+bucketed+overlap     mpi         the same over MPI ``Iallreduce``
+DDP                  gloo/nccl   torch DistributedDataParallel
+===================  ==========  ==============================================
+
+Both bucketed paths and DDP use 25 MB buckets and keep gradients as views into
+the buckets (DDP: ``gradient_as_bucket_view=True``), and every path zeroes with
+``zero_grad(set_to_none=False)`` as the course's training loop does. DDP also puts
+its first 1 MB in a bucket of its own (to start communicating early); ours does not.
+
+Each step is timed on every rank; a step's time is the slowest rank's, and the
+table shows the median over the steps after a warm-up. The paths take turns in
+rounds, so a noisy neighbour slows all of them alike. Compare ratios within one
+run: absolute times vary from run to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pcourse.io import write_csv
+
+ROW_TAG = "STEPBENCH_ROW "
+FIELDS = ["workload", "data", "ranks", "path", "backend", "local_batch", "params",
+          "median_ms", "p25_ms", "p75_ms", "steps", "ratio_to_ddp"]
+Step = Callable[[int], None]  # runs training step number i
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pcourse.stepbench",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
+    p.add_argument("--workloads", nargs="+", choices=["franke", "mnist"],
+                   default=["franke", "mnist"])
+    p.add_argument("--steps", type=int, default=40, help="timed steps per path and round")
+    p.add_argument("--rounds", type=int, default=3, help="turns each path takes")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per path first")
+    p.add_argument("--quick", action="store_true", help="2 ranks, few steps: a smoke test")
+    p.add_argument("--out", default="results/steps.csv", help="the CSV to write")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per MPI launch")
+    p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+# -- the workloads: model and a batch-loss function, same on every path ------------------
+
+def franke_workload(ranks: int, device: torch.device) -> tuple[nn.Module, Callable, int, str]:
+    """The source's 2→100→100→1 net; global batch 256 split over the ranks (strong)."""
+    from pcourse.franke import make_data, make_model
+
+    x, y = (t.to(device) for t in make_data(10_000, 12345))
+    local = max(1, 256 // ranks)
+
+    def loss(net: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(net(x[idx]), y[idx])
+
+    return make_model().to(device), loss, local, "franke"
+
+
+def mnist_images() -> tuple[torch.Tensor, str]:
+    """The MNIST test split if it is on this machine, else MNIST-shaped noise (said so)."""
+    from pcourse.mnist import MNISTError, load_mnist
+
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+    for folder in (None, shared):
+        try:
+            return load_mnist("test", folder, allow_download=False)[0], "mnist"
+        except (MNISTError, OSError):
+            continue
+    gen = torch.Generator().manual_seed(0)
+    return torch.rand(10_000, 784, generator=gen), "synthetic"
+
+
+def mnist_workload(ranks: int, device: torch.device) -> tuple[nn.Module, Callable, int, str]:
+    """The source's VAE 784→512→256→2; 128 images per rank (weak scaling, as the source)."""
+    from pcourse.vae import make_model, vae_loss
+
+    images, data = mnist_images()
+    x = images.to(device)
+    eps = torch.randn(len(x), 2, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def loss(net: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+        logits, mu, logvar = net(x[idx], eps[idx])
+        return vae_loss(logits, x[idx], mu, logvar)
+
+    return make_model().to(device), loss, 128, data
+
+
+# -- the paths: each returns its own model copy wrapped for one strategy ------------------
+
+def make_step(path: str, model: nn.Module, loss: Callable, batches: list[torch.Tensor],
+              backends: dict) -> Step:
+    """One training step of ``model`` (a private copy) averaged the way ``path`` says."""
+    from pcourse.buckets import BucketedAllreduce
+    from pcourse.training import average_gradients
+
+    model = copy.deepcopy(model)
+    net, after = model, (lambda: None)
+    kind, _, backend_name = path.partition("@")
+    backend = backends[backend_name]
+    if kind == "per-param pickle" or kind == "per-param buffer":
+        def after() -> None:
+            average_gradients(model, backend)
+    elif kind.startswith("bucketed"):
+        reducer = BucketedAllreduce(model, backend, 25, overlap=kind.endswith("overlap"))
+        after = reducer.finish
+    elif kind == "DDP":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [backend.device.index] if backend.device.type == "cuda" else None
+        net = DDP(model, device_ids=ids, bucket_cap_mb=25, gradient_as_bucket_view=True,
+                  broadcast_buffers=False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(i: int) -> None:
+        opt.zero_grad(set_to_none=False)
+        loss(net, batches[i % len(batches)]).backward()
+        after()
+        opt.step()
+
+    return step
+
+
+def paths(main_backend: str) -> list[str]:
+    return ["per-param pickle@mpi-pickle", "per-param buffer@mpi", f"bucketed@{main_backend}",
+            f"bucketed+overlap@{main_backend}", "bucketed+overlap@mpi", f"DDP@{main_backend}"]
+
+
+def time_paths(steps: dict[str, Step], args: argparse.Namespace, device: torch.device) -> dict:
+    """Per-step seconds (the slowest rank's) of every path; paths take turns in rounds."""
+    import numpy as np
+    from mpi4py import MPI
+
+    def timed(step: Step, i: int) -> float:
+        t0 = time.perf_counter()
+        step(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for step in steps.values():
+        for i in range(args.warmup):
+            step(i)
+    times: dict[str, list[float]] = {p: [] for p in steps}
+    for _ in range(args.rounds):
+        for path, step in steps.items():
+            MPI.COMM_WORLD.Barrier()
+            times[path] += [timed(step, i) for i in range(args.steps)]
+    slowest = {}
+    for path, mine in times.items():
+        arr = np.asarray(mine)
+        MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, arr, op=MPI.MAX)
+        slowest[path] = arr
+    return slowest
+
+
+def inner(args: argparse.Namespace) -> None:
+    """One MPI job: time every path on every workload; rank 0 prints one row per path."""
+    import numpy as np
+
+    from pcourse.backends import make_backend
+    from pcourse.rankinfo import init_rank
+
+    info = init_rank()
+    device = torch.device(info.device)
+    main_backend = "nccl" if device.type == "cuda" else "gloo"
+    names = {p.partition("@")[2] for p in paths(main_backend)}
+    backends = {name: make_backend(name) for name in sorted(names)}
+    try:
+        for workload in args.workloads:
+            build = franke_workload if workload == "franke" else mnist_workload
+            model, loss, local, data = build(info.size, device)
+            gen = torch.Generator().manual_seed(100 + info.rank)
+            n = 10_000
+            batches = [torch.randint(0, n, (local,), generator=gen).to(device) for _ in range(16)]
+            steps = {p: make_step(p, model, loss, batches, backends) for p in paths(main_backend)}
+            for path, secs in time_paths(steps, args, device).items():
+                kind, _, backend = path.partition("@")
+                ms = np.percentile(secs * 1e3, [25, 50, 75])
+                row = {"workload": workload, "data": data, "ranks": info.size, "path": kind,
+                       "backend": backend, "local_batch": local, "steps": len(secs),
+                       "params": sum(p.numel() for p in model.parameters()),
+                       "p25_ms": ms[0], "median_ms": ms[1], "p75_ms": ms[2]}
+                if info.rank == 0:
+                    print(ROW_TAG + json.dumps(row), flush=True)
+            del steps  # DDP and the reducers hold hooks and buffers: free before the next
+    finally:
+        for backend in backends.values():
+            backend.close()
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Add each row's per-step time divided by DDP's for the same workload and ranks."""
+    ddp = {(r["workload"], r["ranks"]): r["median_ms"] for r in rows if r["path"] == "DDP"}
+    for r in rows:
+        base = ddp.get((r["workload"], r["ranks"]))
+        r["ratio_to_ddp"] = round(r["median_ms"] / base, 3) if base else ""
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'workload':<16} {'ranks':>5}  {'path':<18} {'backend':<10} "
+          f"{'median ms':>9} {'p25-p75 ms':>15} {'÷ DDP':>6}")
+    for r in rows:
+        spread = f"{r['p25_ms']:.2f}-{r['p75_ms']:.2f}"
+        ratio = f"{r['ratio_to_ddp']:.2f}" if r["ratio_to_ddp"] != "" else "-"
+        name = r["workload"] + ("" if r["data"] != "synthetic" else " (synth.)")
+        print(f"{name:<16} {r['ranks']:>5}  {r['path']:<18} {r['backend']:<10} "
+              f"{r['median_ms']:>9.2f} {spread:>15} {ratio:>6}")
+
+
+def outer(args: argparse.Namespace, argv: list[str]) -> int:
+    """Launch one MPI job per rank count, then print and write the table."""
+    from pcourse.launch import MPIJobError, mpirun
+
+    rows: list[dict] = []
+    for ranks in args.ranks:
+        try:
+            proc = mpirun(ranks, ["-m", "pcourse.stepbench", *argv, "--inner"],
+                          timeout=args.timeout, env={"OMP_NUM_THREADS": "1"})
+        except MPIJobError as exc:
+            print(f"error: the step benchmark at {ranks} ranks failed: {exc}", file=sys.stderr)
+            return 1
+        found = [json.loads(ln[len(ROW_TAG):]) for ln in proc.stdout.splitlines()
+                 if ln.startswith(ROW_TAG)]
+        if not found:
+            print(f"error: no results at {ranks} ranks:\n{proc.stdout[-2000:]}", file=sys.stderr)
+            return 1
+        rows += found
+    rows = with_ratios(rows)
+    print_table(rows)
+    if any(r["data"] == "synthetic" for r in rows):
+        print("note: MNIST files not found here; the VAE ran on MNIST-shaped random images")
+    print(f"wrote {write_csv(args.out, rows, FIELDS)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    if args.quick:
+        args.ranks, args.steps, args.rounds, args.warmup = [2], 3, 1, 1
+    if min(args.ranks) < 1 or min(args.steps, args.rounds) < 1 or args.warmup < 0:
+        parser().error("--ranks, --steps and --rounds must be at least 1, --warmup at least 0")
+    if args.inner or "PMI_SIZE" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ:
+        inner(args)
+        return 0
+    return outer(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

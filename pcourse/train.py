@@ -1,0 +1,220 @@
+"""The one training loop: notebooks, the benchmark and the tests all call :func:`train`.
+
+Each step, every rank: forward on its share of the global batch, loss, backward,
+average the gradients across ranks, optimiser step. Three details make this
+*exactly* the serial large-batch step, which the tests check at 1, 2 and 4 ranks:
+
+1. Every rank starts from rank 0's weights (broadcast), and every rank computes
+   the same seeded shuffle of the sample indices (:mod:`pcourse.partition`).
+2. A global batch is the same run of shuffled indices at any rank count: each
+   rank takes the partitioner's *strided* share (every size-th index, as torch's
+   DistributedSampler does) and cuts it into batches. The source's contiguous
+   segments would give the same *number* of updates, but different batches at
+   each rank count, so results could not be compared number for number.
+3. Each rank divides its summed loss by its share of the batch; the average of
+   the ranks' gradients is then the gradient of the mean over the global batch.
+
+Scaling modes: "strong" keeps the global batch fixed (``config.batch_size``), so
+every rank count makes the same updates and more ranks should mean less time;
+"weak" keeps the per-rank batch fixed, so the global batch grows with the ranks
+(the source's MNIST setting). Batches are sliced from tensors in memory: a
+DataLoader worker process per rank costs more than the work on 2-core machines.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from pcourse.backends import Backend
+
+LossSum = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]  # (model, indices, epoch)
+MakeOptimizer = Callable[[nn.Module], tuple[torch.optim.Optimizer, Any]]
+
+
+@dataclass
+class Workload:
+    """What :func:`train` needs: a model, how many samples, and the summed loss of a batch."""
+
+    name: str
+    model: nn.Module
+    n_train: int
+    loss_sum: LossSum  # summed over the samples ``indices`` (not averaged)
+    make_optimizer: MakeOptimizer  # -> (optimizer, scheduler or None)
+    evaluate: Callable[[nn.Module], float] | None = None  # held-out loss
+
+
+@dataclass
+class TrainResult:
+    workload: str
+    backend: str
+    ranks: int
+    scaling: str
+    global_batch: int
+    local_batch: int
+    steps_per_epoch: int
+    losses: list[float]  # mean training loss of each epoch, over all ranks' samples
+    epoch_times: list[float]  # seconds, rank 0
+    total_time: float  # seconds: broadcast + epochs + consistency check
+    test_loss: float | None
+    max_deviation: float | None  # largest weight difference across ranks (None: serial)
+    model: nn.Module | None = field(default=None, repr=False)  # the trained model
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1] if self.losses else float("nan")
+
+    @property
+    def train_time(self) -> float:
+        return sum(self.epoch_times)
+
+    def summary(self) -> dict[str, Any]:
+        """Flat, JSON- and CSV-friendly view (no per-epoch lists)."""
+        skip = ("losses", "epoch_times", "model")
+        row = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        row.update(final_loss=self.final_loss, train_time=self.train_time, epochs=len(self.losses))
+        return row
+
+
+def batch_sizes(scaling: str, batch_size: int, size: int, n_train: int) -> tuple[int, int]:
+    """(per-rank batch, global batch) for a scaling mode; a clear error if it cannot work."""
+    if scaling == "strong":
+        if batch_size % size:
+            raise ValueError(
+                f"strong scaling splits the global batch of {batch_size} equally over "
+                f"{size} ranks; choose a batch size divisible by the number of ranks"
+            )
+        local, global_ = batch_size // size, batch_size
+    elif scaling == "weak":
+        local, global_ = batch_size, batch_size * size
+    else:
+        raise ValueError(f"unknown scaling {scaling!r}; use 'strong' or 'weak'")
+    if n_train < size:
+        raise ValueError(f"{size} ranks but only {n_train} training samples: use fewer ranks")
+    return local, global_
+
+
+def local_batches(n: int, rank: int, size: int, local_batch: int, seed: int, epoch: int):
+    """This rank's batches for one epoch: its strided share of the seeded shuffle, cut up.
+
+    With the strided layout, rank r's k-th batch is every size-th index of the k-th
+    run of ``size * local_batch`` shuffled indices, so the ranks' k-th batches
+    together are the serial run's k-th batch, whatever the rank count.
+    """
+    from pcourse.partition import partition_indices
+
+    mine = partition_indices(n, rank, size, seed=seed, epoch=epoch, layout="strided")
+    return torch.split(mine, local_batch)
+
+
+def _epoch(wl: Workload, opt, backend, batches, epoch: int, device) -> float:
+    """One pass over the data; returns the mean loss over all ranks' samples."""
+    if backend is not None:
+        from pcourse.training import average_gradients
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, samples)
+    for batch in batches:
+        idx = batch.to(device)
+        opt.zero_grad(set_to_none=False)
+        loss = wl.loss_sum(wl.model, idx, epoch)
+        (loss / len(idx)).backward()  # mean over my share; averaged over ranks below
+        if backend is not None:
+            average_gradients(wl.model, backend)
+        opt.step()
+        total[0] += loss.detach()
+        total[1] += len(idx)
+    if backend is not None:
+        backend.allreduce(total, "sum")
+    return (total[0] / total[1]).item()
+
+
+def _fit(wl: Workload, backend, config, rank, size, local, device, progress: bool):
+    """All epochs; returns (per-epoch losses, per-epoch seconds, steps per epoch)."""
+    opt, scheduler = wl.make_optimizer(wl.model)
+    losses, times, steps = [], [], 0
+    bar = tqdm(range(config.epochs), desc=f"{wl.name} ×{size}", disable=not progress or rank != 0)
+    for epoch in bar:
+        t0 = time.perf_counter()
+        batches = local_batches(wl.n_train, rank, size, local, config.seed, epoch)
+        wl.model.train()
+        losses.append(_epoch(wl, opt, backend, batches, epoch, device))
+        if scheduler is not None:
+            scheduler.step()
+        times.append(time.perf_counter() - t0)
+        steps = len(batches)
+        bar.set_postfix(loss=f"{losses[-1]:.4g}", s=f"{times[-1]:.2f}")
+    return losses, times, steps
+
+
+def train(
+    workload: str | Workload,
+    backend: Backend | None = None,
+    config: Any = None,
+    *,
+    progress: bool = True,
+    check: bool = True,
+    device: str | torch.device | None = None,
+) -> TrainResult:
+    """Train ``workload`` ("franke", "mnist" or a :class:`Workload`) data-parallel.
+
+    ``backend`` None is the serial, one-process reference. ``config`` is a
+    FrankeConfig / MNISTConfig (default: the workload's full configuration) and
+    must have ``epochs``, ``batch_size``, ``scaling`` and ``seed``. The progress
+    bar shows on rank 0 only; ``check`` compares the final weights across ranks.
+    """
+    rank, size = (backend.rank, backend.size) if backend is not None else (0, 1)
+    device = torch.device(device or (backend.device if backend is not None else "cpu"))
+    config = config if config is not None else default_config(workload)
+    wl = workload if isinstance(workload, Workload) else make_workload(workload, config, device)
+    local, global_ = batch_sizes(config.scaling, config.batch_size, size, wl.n_train)
+
+    start = time.perf_counter()
+    if backend is not None:
+        from pcourse.training import broadcast_parameters
+
+        broadcast_parameters(wl.model, backend, root=0)
+    losses, times, steps = _fit(wl, backend, config, rank, size, local, device, progress)
+    deviation = None
+    if check and backend is not None:
+        from pcourse.training import check_consistency
+
+        deviation = _max_deviation(check_consistency(wl.model, backend))
+    total = time.perf_counter() - start
+    wl.model.eval()
+    test = wl.evaluate(wl.model) if wl.evaluate else None
+    name = backend.name if backend is not None else "serial"
+    return TrainResult(wl.name, name, size, config.scaling, global_, local, steps,
+                       losses, times, total, test, deviation, wl.model)
+
+
+def _max_deviation(report: Any) -> float:
+    """The largest weight difference from a consistency report (number or object)."""
+    for attr in ("max_deviation", "max_abs_diff", "largest", "deviation"):
+        if hasattr(report, attr):
+            return float(getattr(report, attr))
+    return float(report)
+
+
+def default_config(name: str | Workload) -> Any:
+    if isinstance(name, Workload):
+        raise ValueError("pass a config (epochs, batch_size, scaling, seed) with a Workload")
+    return _module(name).FrankeConfig() if name == "franke" else _module(name).MNISTConfig()
+
+
+def make_workload(name: str, config: Any, device: torch.device | str = "cpu") -> Workload:
+    """Build the named workload ("franke" or "mnist") for ``config`` on ``device``."""
+    return _module(name).make_workload(config, str(device))
+
+
+def _module(name: str):
+    import importlib
+
+    modules = {"franke": "pcourse.franke", "mnist": "pcourse.vae"}
+    if name not in modules:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(modules)}")
+    return importlib.import_module(modules[name])

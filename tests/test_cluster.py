@@ -1,0 +1,72 @@
+"""The engine cluster helper: start, run code on engines, stop, restart, bad input."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+from pcourse import cluster as cl
+from pcourse.cluster import ClusterError, start_cluster, stop_cluster
+
+
+def _alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if psutil.pid_exists(p)
+            and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_start_run_restart_stop():
+    mc = start_cluster(2)
+    try:
+        assert mc.n == 2
+        assert [e.rank for e in mc.engines] == [0, 1]
+        assert all(e.size == 2 and e.device == "cpu" for e in mc.engines)
+        # engine id == MPI rank, and the engine namespace knows its rank and device;
+        # the ranks really talk to each other over MPI
+        mc.view.execute(
+            "from mpi4py import MPI\n"
+            "answer = (MPI.COMM_WORLD.rank, rank, size, local_rank, str(device))\n"
+            "total = MPI.COMM_WORLD.allreduce(rank + 1)"
+        )
+        assert mc.view.pull("answer") == [(0, 0, 2, 0, "cpu"), (1, 1, 2, 1, "cpu")]
+        assert mc.view.pull("total") == [3, 3]
+        old_pids = mc.view.apply_sync(os.getpid)
+
+        mc2 = start_cluster(3)  # a re-run start cell replaces the old cluster
+        assert cl.current_cluster() is mc2
+        assert _alive(old_pids) == []
+        assert mc2.view.pull("size") == [3, 3, 3]
+        new_pids = mc2.view.apply_sync(os.getpid)
+    finally:
+        stop_cluster()
+    assert cl.current_cluster() is None
+    assert _alive(new_pids) == []
+    stop_cluster()  # stopping twice is harmless
+
+
+@pytest.mark.parametrize("n", [0, -1, 10**6, 2.5, "2", True])
+def test_bad_engine_count(n):
+    with pytest.raises(ClusterError, match=r"^n"):
+        start_cluster(n)
+
+
+def test_missing_mpiexec(monkeypatch, tmp_path):
+    monkeypatch.setattr(cl.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ClusterError, match="pip install mpich"):
+        cl.find_mpiexec()
+
+
+def test_engines_that_die_during_start_report_their_log():
+    # A Python that cannot find its standard library dies at once, like a broken env.
+    with pytest.raises(ClusterError, match="exited during start") as info:
+        start_cluster(2, env={"PYTHONHOME": "/nonexistent"}, timeout=60)
+    assert "encodings" in str(info.value) or "PYTHONHOME" in str(info.value)
+    assert cl.current_cluster() is None
+
+
+def test_start_timeout_is_an_error_not_a_hang():
+    with pytest.raises(ClusterError, match="registered within"):
+        start_cluster(2, timeout=0.2)
+    assert cl.current_cluster() is None
