@@ -122,7 +122,7 @@ def make_step(path: str, model: nn.Module, loss: Callable, batches: list[torch.T
     backend = backends[backend_name]
     if kind == "per-param pickle" or kind == "per-param buffer":
         def after() -> None:
-            average_gradients(model, backend)
+            average_gradients(model, backend, check=False)  # the strategy, not the safety net
     elif kind.startswith("bucketed"):
         reducer = BucketedAllreduce(model, backend, 25, overlap=kind.endswith("overlap"))
         after = reducer.finish

@@ -131,6 +131,8 @@ def check_consistency(
     check_same_model([t for _, t in named], backend, "models")
     spreads = {}
     for name, t in named:
+        if t.dtype == torch.bool:  # no backend sums bools; compare them as 0/1
+            t = t.to(torch.uint8)
         hi = t.detach().to(backend.device, copy=True)
         lo = t.detach().to(backend.device, copy=True)
         _reduce(hi, backend, "max")

@@ -125,7 +125,8 @@ def parallel(name: str, wrap) -> nn.Module:
 
 
 def ddp(model: nn.Module):
-    net = DDP(model, find_unused_parameters=True)
+    # Only the branchy model has parameters without a gradient; DDP must look for them.
+    net = DDP(model, find_unused_parameters=isinstance(model, Branchy))
     return net, lambda: None
 
 

@@ -1,0 +1,55 @@
+"""`make lab`, the front door: JupyterLab on 127.0.0.1 only, with a token, URL printed."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_make_lab_serves_on_loopback_with_a_token(tmp_path):
+    log = tmp_path / "lab.log"
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["make", "lab"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+    try:
+        url = None
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            assert proc.poll() is None, f"make lab exited early:\n{log.read_text()}"
+            m = re.search(r"(http://127\.0\.0\.1:(\d+)/lab\?token=\w+)", log.read_text())
+            url = m.group(1) if m else None
+            time.sleep(0.5)
+        assert url, f"no URL with a token printed within 120 s:\n{log.read_text()}"
+        port = int(re.search(r":(\d+)/", url).group(1))
+        assert _get(url) == 200
+        assert _get(f"http://127.0.0.1:{port}/api/contents") == 403  # no token: refused
+        servers = [p for p in psutil.Process(proc.pid).children(recursive=True)]
+        addrs = {c.laddr.ip for p in servers for c in p.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        assert addrs == {"127.0.0.1"}, f"listening on {addrs}, expected loopback only"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
