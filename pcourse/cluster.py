@@ -183,6 +183,9 @@ def start_cluster(
         _wait_for_engines(cluster, client, n, timeout)
         view = client[:]
         view.block = True
+        # cloudpickle ships a notebook-defined function together with the globals it
+        # uses (helpers, constants, imports), so learners need no push/import dance.
+        view.use_cloudpickle()
         view.execute(_ENGINE_INIT)
         engines = sorted(view.pull("_pcourse_me"), key=lambda e: e.rank)
     except BaseException:
