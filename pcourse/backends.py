@@ -159,8 +159,10 @@ def _cupy_nccl_reason() -> str:
     except Exception as exc:  # noqa: BLE001 - any import failure makes it unusable
         return f"cupy fails to import: {exc}"
     try:
-        from cupy.cuda import nccl  # noqa: F401
+        from cupy.cuda import nccl
     except Exception:  # noqa: BLE001
+        return "NCCL library missing (pip install nvidia-nccl-cu12)"
+    if not getattr(nccl, "available", True):  # some CuPy builds import a stub
         return "NCCL library missing (pip install nvidia-nccl-cu12)"
     try:
         import cupy

@@ -1,10 +1,11 @@
 """Check the NCCL backends on this machine's GPUs against MPI's own Allreduce.
 
 ``python -m pcourse.gpu_check`` (or ``make gpu-check``) starts itself under
-``mpiexec`` with one rank per visible GPU, runs ``nccl`` and ``nccl-cupy`` for
-every op, several dtypes and sizes, and compares each result with what MPI's
-``COMM_WORLD.Allreduce`` computes from the same inputs on the host: an independent
-reference, since MPI shares no code with NCCL. It prints a table and PASS or FAIL.
+``mpiexec`` with one rank per visible GPU, runs ``nccl`` and ``nccl-cupy`` (and
+``mpi`` on GPU tensors, staged through the host) for every op, several dtypes and
+sizes, and compares each result with what MPI's ``COMM_WORLD.Allreduce`` computes
+from the same inputs on the host: an independent reference, since MPI shares no
+code with NCCL. It prints a table and PASS or FAIL.
 Without a GPU it prints why it cannot run and exits 0 (SKIPPED).
 
 The comparison harness (:func:`check_allreduce`) is also what the tests use for the
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -133,7 +133,8 @@ def _worker() -> int:
 
     me = init_rank()
     results, problems = [], []
-    for name in ("nccl", "nccl-cupy"):
+    # "mpi" too: on GPU tensors it exercises the staging through host memory.
+    for name in ("nccl", "nccl-cupy", "mpi"):
         reason = unavailable_reason(name)
         if reason:
             problems.append(f"{name}: unavailable: {reason}")

@@ -29,9 +29,15 @@ from pcourse.backends import Backend, BackendUnavailable, Work, check_avg_dtype,
 
 DEFAULT_TIMEOUT = 120.0  # seconds per collective (and for the rendezvous)
 
-# The object that owns torch's default process group. A re-run notebook cell makes a
-# new backend; that one replaces the group, and the old object refuses further use.
-_owner: _TorchBackend | None = None
+# torch.distributed has one default process group per process. The first backend
+# creates it from the MPI rendezvous; every backend object then gets its *own* group
+# on top of it with ``new_group``. So a re-run notebook cell simply makes another
+# group, and gloo, nccl and an older gloo object can all live at once. The default
+# group goes when the last backend that needed it is closed. Pass ``backend.group``
+# to code that takes a process group (DDP's ``process_group=``).
+_users = 0
+_own_default = False
+_address = ""
 
 
 class _TorchBackend(Backend):
@@ -39,48 +45,32 @@ class _TorchBackend(Backend):
     ifname_var: str  # the environment variable naming the socket interface
 
     def __init__(self, comm: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
-        global _owner
+        global _users
         import torch.distributed as dist
         from mpi4py import MPI
 
         self._dist = dist
         self.timeout = timeout
+        self.group = None
         mpi = (MPI.COMM_WORLD if comm is None else comm).Dup()
         try:
             self.rank, self.size = mpi.Get_rank(), mpi.Get_size()
             self.device = self._pick_device(mpi)
-            if _owner is not None:
-                _owner._release()
-            elif dist.is_initialized():  # someone else's default group, e.g. a manual init
-                dist.destroy_process_group()
-            addr, port = rendezvous_address(mpi, self.ifname_var)
+            _ensure_default_group(mpi, self.ifname_var, timeout)
         finally:
             mpi.Free()
-        dist.init_process_group(
-            self.dist_backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
-            world_size=self.size, timeout=timedelta(seconds=timeout),
-        )
-        self.address = f"{addr}:{port}"
-        _owner = self
+        self.group = dist.new_group(backend=self.dist_backend,
+                                    timeout=timedelta(seconds=timeout))
+        _users += 1
+        self.address = _address  # where the ranks met (host:port of rank 0's store)
 
     def _pick_device(self, mpi: Any) -> torch.device:
         return torch.device("cpu")
 
-    def _release(self) -> None:
-        """Destroy the default group if this object still owns it."""
-        global _owner
-        if _owner is self:
-            if self._dist.is_initialized():
-                self._dist.destroy_process_group()
-            _owner = None
-
     def _live(self) -> Any:
-        if _owner is not self:
-            raise RuntimeError(
-                f"this {self.name} backend was closed or replaced by a newer one "
-                "(torch.distributed has one default group per process); use the newest"
-            )
-        return self._dist
+        if self.group is None:
+            raise RuntimeError(f"this {self.name} backend was closed; create a new one")
+        return self.group
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self.allreduce_async(tensor, op).wait()
@@ -89,25 +79,34 @@ class _TorchBackend(Backend):
     def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Work:
         check_op(op)
         check_avg_dtype(tensor, op)
-        dist = self._live()
+        group = self._live()
         native_avg = op == "avg" and self.dist_backend == "nccl"
         buf = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
-        handle = dist.all_reduce(buf, op=self._reduce_op(op, native_avg), async_op=True)
+        handle = self._dist.all_reduce(buf, op=self._reduce_op(op, native_avg), group=group,
+                                       async_op=True)
         divide = op == "avg" and not native_avg
         return _TorchWork(handle, tensor, buf, self.size if divide else 0)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         buf = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
-        self._live().broadcast(buf, src=root)
+        self._dist.broadcast(buf, src=root, group=self._live())
         if buf.data_ptr() != tensor.data_ptr():
             tensor.detach().copy_(buf)
         return tensor
 
     def barrier(self) -> None:
-        self._live().barrier()
+        self._dist.barrier(group=self._live())
 
     def close(self) -> None:
-        self._release()
+        global _users, _own_default
+        if self.group is None:
+            return
+        self._dist.destroy_process_group(self.group)
+        self.group = None
+        _users -= 1
+        if _users == 0 and _own_default and self._dist.is_initialized():
+            self._dist.destroy_process_group()  # a later backend meets afresh
+            _own_default = False
 
     def _reduce_op(self, op: str, native_avg: bool) -> Any:
         R = self._dist.ReduceOp
@@ -160,14 +159,16 @@ class NCCLBackend(_TorchBackend):
         return local_gpu(mpi, "nccl")
 
     def barrier(self) -> None:
-        self._live().barrier(device_ids=[self.device.index])
+        self._dist.barrier(group=self._live(), device_ids=[self.device.index])
 
 
 def local_gpu(mpi: Any, name: str) -> torch.device:
-    """This rank's own GPU; BackendUnavailable on every rank if a host has too few.
+    """This rank's own GPU; BackendUnavailable on every rank if two ranks share one.
 
-    NCCL refuses two ranks on one GPU ("Duplicate GPU"), so each local rank needs
-    its own device. The decision is allreduced so that all ranks raise together.
+    NCCL refuses two ranks on one GPU ("Duplicate GPU"). Local rank i takes GPU
+    i mod (visible GPUs), as ``init_rank`` does; the GPUs' UUIDs are then compared
+    across ranks, which also works when a launcher gives each rank its own
+    CUDA_VISIBLE_DEVICES. The decision is collective, so all ranks raise together.
     """
     from mpi4py import MPI
 
@@ -175,14 +176,51 @@ def local_gpu(mpi: Any, name: str) -> torch.device:
     local_rank, local_size = node.Get_rank(), node.Get_size()
     node.Free()
     ngpu = torch.cuda.device_count()
-    short = mpi.allreduce(int(ngpu < local_size), op=MPI.MAX)
-    if short:
+    index = local_rank % max(ngpu, 1)
+    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", index)) if ngpu else ""
+    everyone = mpi.allgather((socket.gethostname(), uuid))
+    # Every rank sees the same list, so every rank takes the same decision.
+    crowded = sorted({h for h, u in everyone if u == "" or everyone.count((h, u)) > 1})
+    if crowded:
         raise BackendUnavailable(
-            f"backend {name!r} needs one GPU per rank: a host runs {local_size} ranks "
-            f"here but has {ngpu} GPU(s); start at most one rank per GPU"
+            f"backend {name!r} needs one GPU per rank, but ranks on {', '.join(crowded)} "
+            f"would share a GPU or have none (this host: {local_size} ranks, {ngpu} GPUs); "
+            "start at most one rank per GPU"
         )
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _ensure_default_group(mpi: Any, ifname_var: str, timeout: float) -> None:
+    """Initialise torch's default group from the MPI rendezvous, unless it exists.
+
+    Collective: every rank reports its state first, so that a mix (initialised on
+    some ranks only, or with other ranks) is an error on all ranks, not a hang.
+    """
+    global _own_default, _address
+    import torch.distributed as dist
+
+    here = dist.is_initialized()
+    fits = not here or (dist.get_rank(), dist.get_world_size()) == (mpi.Get_rank(),
+                                                                    mpi.Get_size())
+    states = mpi.allgather((here, fits))
+    if all(h for h, _ in states) and all(f for _, f in states):
+        return
+    if any(h for h, _ in states):
+        raise RuntimeError(
+            "torch.distributed is already initialised on some ranks, or with other ranks "
+            "than this MPI job; call torch.distributed.destroy_process_group() on every "
+            "rank, then create the backend again"
+        )
+    addr, port = rendezvous_address(mpi, ifname_var)
+    # CPU tensors on the default group go through Gloo, CUDA tensors through NCCL
+    # (created lazily, on first use), so code such as DDP that uses the default
+    # group works on either device; our backends use their own groups.
+    kind = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() \
+        else "gloo"
+    dist.init_process_group(kind, init_method=f"tcp://{addr}:{port}", rank=mpi.Get_rank(),
+                            world_size=mpi.Get_size(), timeout=timedelta(seconds=timeout))
+    _own_default, _address = True, f"{addr}:{port}"
 
 
 def rendezvous_address(mpi: Any, ifname_var: str) -> tuple[str, int]:
@@ -222,6 +260,9 @@ def _pick_address(one_host: bool, ifname_var: str) -> str:
 def _pick_port() -> int:
     wanted = os.environ.get("MASTER_PORT")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As torch's store does: a port whose old connections linger in TIME_WAIT
+        # (a re-created backend on the same MASTER_PORT) is free; a listener is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", int(wanted) if wanted else 0))
         except OSError as exc:

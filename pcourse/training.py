@@ -49,7 +49,8 @@ def check_same_model(tensors: list[torch.Tensor], backend: Backend, what: str) -
     hi = backend.allreduce(fp.clone(), "max").tolist()
     lo = backend.allreduce(fp.clone(), "min").tolist()
     labels = ("number of tensors", "total number of elements", "hash of the shapes")
-    diffs = [f"{lab} ranges from {a} to {b}" for lab, a, b in zip(labels, lo, hi) if a != b]
+    diffs = [f"{lab} ranges from {a} to {b}"
+             for lab, a, b in zip(labels, lo, hi, strict=True) if a != b]
     if diffs:
         raise ValueError(
             f"ranks hold different {what}: " + "; ".join(diffs)
