@@ -15,7 +15,10 @@ machine it is of the same order as copying, so it shows up inside the fitted β.
 Every function works on any number of ranks p >= 1 (powers of two or not), any
 length (0 and shorter than p included), ops sum/max/min/prod, in place or into
 ``out``. Torch CPU tensors are accepted and reduced through a numpy view of their
-memory.
+memory. Before sending anything, each call checks with one tiny MPI allreduce that
+all ranks passed the same length, because a mismatch would otherwise deadlock or
+silently mix up data; ``check=False`` skips that when the caller knows the lengths
+agree (the benchmark does, so it times the algorithm alone).
 """
 
 from __future__ import annotations
@@ -188,6 +191,8 @@ def cost_terms(method: str, p: int) -> tuple[float, float]:
 
     The time is then steps·α + volume·N·β; for p = 1 nothing is sent.
     """
+    if method not in ALGORITHMS:
+        raise ValueError(f"no cost model for {method!r}; use one of {', '.join(ALGORITHMS)}")
     if p < 1:
         raise ValueError(f"p must be at least 1, got {p}")
     if p == 1:
@@ -197,10 +202,8 @@ def cost_terms(method: str, p: int) -> tuple[float, float]:
         return steps, steps
     if method == "ring":
         return 2 * (p - 1), 2 * (p - 1) / p
-    if method == "recursive-doubling":
-        steps = int(math.log2(p)) + (0 if p & (p - 1) == 0 else 2)
-        return steps, steps
-    raise ValueError(f"no cost model for {method!r}; use one of {', '.join(ALGORITHMS)}")
+    steps = int(math.log2(p)) + (0 if p & (p - 1) == 0 else 2)  # recursive doubling
+    return steps, steps
 
 
 def cost_model(method: str, p: int, nbytes: Any, alpha: float, beta: float) -> Any:
@@ -210,12 +213,14 @@ def cost_model(method: str, p: int, nbytes: Any, alpha: float, beta: float) -> A
 
 
 def fit_alpha_beta(sizes_bytes: Any, times: Any) -> tuple[float, float]:
-    """Least-squares a, b of t = a + b·N, weighted so every size counts alike.
+    """Least-squares a >= 0, b >= 0 of t = a + b·N, weighted so every size counts alike.
 
     Sizes span seven orders of magnitude; a plain fit would be dominated by the
     largest messages and leave the latency a (microseconds) to chance. Dividing each
-    equation by its t minimises the relative error instead. For a method with
-    cost_terms (steps, volume), the link's α = a/steps and β = b/volume.
+    equation by its t minimises the relative error instead. A latency or a time per
+    byte cannot be negative, but noise can make the free fit say so; then the best
+    fit with that term at zero is taken. For a method with cost_terms (steps,
+    volume), the link's α = a/steps and β = b/volume.
     """
     n = np.asarray(sizes_bytes, dtype=float)
     t = np.asarray(times, dtype=float)
@@ -224,5 +229,13 @@ def fit_alpha_beta(sizes_bytes: Any, times: Any) -> tuple[float, float]:
     if np.unique(n).size < 2 or np.any(t <= 0):
         raise ValueError("need at least two different sizes and positive times to fit")
     design = np.stack([np.ones_like(n), n], axis=1) / t[:, None]
-    (a, b), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    target = np.ones_like(t)
+    free = np.linalg.lstsq(design, target, rcond=None)[0]
+    # the free fit, or one term pinned at zero (each then a one-column least squares)
+    candidates = [free] + [
+        np.where(np.arange(2) == k, design[:, k] @ target / (design[:, k] @ design[:, k]), 0.0)
+        for k in (0, 1)
+    ]
+    feasible = [c for c in candidates if np.all(c >= 0)]
+    a, b = min(feasible, key=lambda c: np.sum((design @ c - target) ** 2))
     return float(a), float(b)

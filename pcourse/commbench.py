@@ -26,14 +26,12 @@ from typing import Any
 import numpy as np
 
 from pcourse import collectives
-from pcourse.io import atomic_write, savefig_atomic, write_csv
+from pcourse.commreport import report
+from pcourse.io import atomic_write
 
 METHODS = ("mpi", "mpi-pickle", "tree", "ring", "recursive-doubling", "gloo", "nccl",
            "nccl-cupy")
-FIELDS = ["ranks", "method", "bytes", "iterations", "latency_us", "algbw_GBps",
-          "busbw_GBps", "speed_vs_mpi"]
 MiB = 1 << 20
-HEADLINE_BYTES = 4 * MiB
 
 
 def _size(text: str) -> int:
@@ -43,7 +41,8 @@ def _size(text: str) -> int:
     try:
         return int(float(text[:-1] if scale > 1 else text) * scale)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 4096, 64M)")
+        raise argparse.ArgumentTypeError(
+            f"not a size in bytes: {text!r} (e.g. 4096, 64M)") from None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -56,7 +55,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--factor", type=int, default=None, help="size step (default 2; quick: 4)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls per point")
-    ap.add_argument("--target-time", type=float, default=0.1,
+    ap.add_argument("--target-time", type=float, default=0.2,
                     help="seconds of timed calls per (method, size); sets the iterations")
     ap.add_argument("--min-iters", type=int, default=None)
     ap.add_argument("--max-iters", type=int, default=1000)
@@ -68,7 +67,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     quick = args.quick
     for name, normal, smoke in [("ranks", [2, 4], [2]), ("max_bytes", 64 * MiB, 64 << 10),
-                                ("factor", 2, 4), ("warmup", 2, 1), ("min_iters", 3, 2)]:
+                                ("factor", 2, 4), ("warmup", 1, 1), ("min_iters", 2, 1)]:
         if getattr(args, name) is None:
             setattr(args, name, smoke if quick else normal)
     if quick:
@@ -146,8 +145,12 @@ def _call(name: str, comm: Any, x: np.ndarray, backend: Any) -> Callable[[], Any
     return lambda: backend.allreduce(tensor)
 
 
-def time_call(comm: Any, fn: Callable[[], Any], warmup: int, iters: int) -> float:
-    """Mean over iterations of the slowest rank's seconds, barriers around the loop."""
+def time_call(comm: Any, fn: Callable[[], Any], warmup: int, iters: int) -> np.ndarray:
+    """Seconds of each timed call on the slowest rank, barriers around the loop.
+
+    The mean of these is the latency OSU and nccl-tests report; their median shows
+    how much of it was the machine being busy with something else.
+    """
     from mpi4py import MPI
 
     for _ in range(warmup):
@@ -160,12 +163,16 @@ def time_call(comm: Any, fn: Callable[[], Any], warmup: int, iters: int) -> floa
         times[i] = time.perf_counter() - start
     comm.Barrier()
     comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-    return float(times.mean())
+    return times
 
 
 def _iterations(comm: Any, fn: Callable[[], Any], args: argparse.Namespace) -> int:
-    """Enough calls for ~target-time seconds; every rank must agree on the count."""
-    once = time_call(comm, fn, args.warmup, 1)
+    """Enough calls for ~target-time seconds; every rank must agree on the count.
+
+    So a 4-byte point gets hundreds of calls and a 64 MiB pickle a couple: the run
+    stays within minutes and every point gets about the same share of it.
+    """
+    once = time_call(comm, fn, args.warmup, 1)[0]
     return int(np.clip(args.target_time / max(once, 1e-9), args.min_iters, args.max_iters))
 
 
@@ -184,8 +191,8 @@ def measure(comm: Any, args: argparse.Namespace, say: Callable[[str], None]) -> 
                 fn = _call(name, comm, x, backends.get(name))
                 iters = _iterations(comm, fn, args)
                 t = time_call(comm, fn, 0, iters)
-                rows.append({"ranks": p, "method": name, "bytes": nbytes,
-                             "iterations": iters, "seconds": t})
+                rows.append({"ranks": p, "method": name, "bytes": nbytes, "iterations": iters,
+                             "seconds": t.mean(), "median_us": np.median(t) * 1e6})
     finally:
         for backend in backends.values():
             if backend is not None:
@@ -231,17 +238,6 @@ def launch(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict], args: argparse.Namespace) -> None:
-    add_rates(rows)
-    print_tables(rows)
-    fits = fit_all(rows)
-    print_fits(fits)
-    headline(rows)
-    write_csv(args.out, rows, FIELDS)
-    plot(rows, fits, args.plot)
-    print(f"\nwrote {args.out} and {args.plot}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.inner is not None:  # a rank of a job that `launch` started
@@ -253,9 +249,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if int(os.environ.get("PMI_SIZE", "1")) > 1 or _mpi_size() > 1:  # the user ran mpiexec
         rows = run_inner(args)
         if rows:
-            report(rows, args)
+            report(rows, args.out, args.plot)
         return 0
-    report(launch(args), args)
+    from pcourse.launch import MPIJobError
+
+    try:
+        rows = launch(args)
+    except MPIJobError as exc:  # nothing is written: no half-finished results
+        print(f"commbench: a benchmark job failed, no results written.\n{exc}", file=sys.stderr)
+        return 1
+    report(rows, args.out, args.plot)
     return 0
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-import torch
 from mpi4py import MPI
 
 from pcourse.collectives import (
@@ -76,6 +75,8 @@ def check(name: str, n: int, dtype: str, op: str, in_place: bool, seed: int) -> 
 
 def check_torch(name: str) -> None:
     """CPU tensors are reduced through a numpy view, in their own memory."""
+    import torch  # only here: importing torch on 5 oversubscribed ranks takes seconds
+
     t = torch.arange(10, dtype=torch.float32) * (COMM.rank + 1)
     ref = reference(t.numpy().copy(), "sum")
     assert ALGORITHMS[name](t, "sum") is t
@@ -94,21 +95,23 @@ def check_mismatch(name: str) -> None:
 
 def main() -> int:
     p = COMM.size
-    lengths = sorted({0, 1, max(p - 1, 0), p + 1, 17})
+    lengths = sorted({0, 1, max(p - 1, 0), p + 1})
     count = 0
     for seed, name in enumerate(ALGORITHMS):
         for op in MPI_OPS:
-            for dtype in ("int64", "float64", "float32"):
+            for dtype in ("int64", "float64"):
                 for n in lengths:
                     for in_place in (True, False):
                         check(name, n, dtype, op, in_place, seed)
                         count += 1
         check(name, BIG, "float64", "sum", True, seed)  # a few MB: every chunk path
         check(name, BIG + p - 1, "int32", "max", False, seed)
-        check_torch(name)
+        check(name, 2 * p + 1, "float32", "prod", False, seed)
+        if p == 2:  # the tensor view does not depend on p
+            check_torch(name)
         if p > 1:
             check_mismatch(name)
-        count += 3
+        count += 4
     COMM.Barrier()
     if COMM.rank == 0:
         print(f"collectives OK on {p} ranks: {count} checks")
