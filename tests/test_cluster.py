@@ -32,6 +32,11 @@ def test_start_run_restart_stop():
         assert mc.view.pull("answer") == [(0, 0, 2, 0, "cpu"), (1, 1, 2, 1, "cpu")]
         assert mc.view.pull("total") == [3, 3]
         old_pids = mc.view.apply_sync(os.getpid)
+        # the controller is reachable from this machine only
+        controller = psutil.Process(mc.cluster.controller.process.pid)
+        listening = {c.laddr.ip for p in [controller, *controller.children(recursive=True)]
+                     for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        assert listening == {"127.0.0.1"}, listening
 
         mc2 = start_cluster(3)  # a re-run start cell replaces the old cluster
         assert cl.current_cluster() is mc2
