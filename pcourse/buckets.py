@@ -191,7 +191,10 @@ class BucketedAllreduce:
         """Point each gradient at its averaged view; None where no rank had one."""
         anyone = bucket.flat[-len(bucket.params) :].tolist()
         for p, view, flag in zip(bucket.params, bucket.views, anyone, strict=True):
-            p.grad = view if flag > 0 else None
+            if flag == 0:
+                p.grad = None
+            elif p.grad is not view:  # assigning .grad has a cost: only when it changes
+                p.grad = view
 
     def remove(self) -> None:
         """Detach the hooks; the model trains as if this reducer never existed."""

@@ -7,6 +7,7 @@ the same model on the same data, for:
 ===================  ==========  ==============================================
 path                 backend     what averages the gradients
 ===================  ==========  ==============================================
+no averaging         (none)      nothing: the compute-only floor
 per-param pickle     mpi-pickle  the source: one pickled allreduce per parameter
 per-param buffer     mpi         one in-place ``Allreduce`` per parameter
 bucketed             gloo/nccl   BucketedAllreduce(overlap=False)
@@ -17,7 +18,9 @@ DDP                  gloo/nccl   torch DistributedDataParallel
 
 Both bucketed paths and DDP use 25 MB buckets and keep gradients as views into
 the buckets (DDP: ``gradient_as_bucket_view=True``), and every path zeroes with
-``zero_grad(set_to_none=False)`` as the course's training loop does. DDP also puts
+``zero_grad(set_to_none=False)`` as the course's training loop does. The per-param
+paths call ``average_gradients(..., check=False)``: the strategy, without the
+course's shape check (two more small allreduces a step). DDP also puts
 its first 1 MB in a bucket of its own (to start communicating early); ours does not.
 
 Each step is timed on every rank; a step's time is the slowest rank's, and the
@@ -54,8 +57,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     p.add_argument("--workloads", nargs="+", choices=["franke", "mnist"],
                    default=["franke", "mnist"])
-    p.add_argument("--steps", type=int, default=40, help="timed steps per path and round")
-    p.add_argument("--rounds", type=int, default=3, help="turns each path takes")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per path and round")
+    p.add_argument("--rounds", type=int, default=6, help="turns each path takes")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per path first")
     p.add_argument("--quick", action="store_true", help="2 ranks, few steps: a smoke test")
     p.add_argument("--out", default="results/steps.csv", help="the CSV to write")
@@ -119,7 +122,7 @@ def make_step(path: str, model: nn.Module, loss: Callable, batches: list[torch.T
     model = copy.deepcopy(model)
     net, after = model, (lambda: None)
     kind, _, backend_name = path.partition("@")
-    backend = backends[backend_name]
+    backend = backends.get(backend_name)
     if kind == "per-param pickle" or kind == "per-param buffer":
         def after() -> None:
             average_gradients(model, backend, check=False)  # the strategy, not the safety net
@@ -130,8 +133,7 @@ def make_step(path: str, model: nn.Module, loss: Callable, batches: list[torch.T
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [backend.device.index] if backend.device.type == "cuda" else None
-        net = DDP(model, device_ids=ids, bucket_cap_mb=25, gradient_as_bucket_view=True,
-                  broadcast_buffers=False)
+        net = DDP(model, device_ids=ids, bucket_cap_mb=25, gradient_as_bucket_view=True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 
     def step(i: int) -> None:
@@ -144,8 +146,10 @@ def make_step(path: str, model: nn.Module, loss: Callable, batches: list[torch.T
 
 
 def paths(main_backend: str) -> list[str]:
-    return ["per-param pickle@mpi-pickle", "per-param buffer@mpi", f"bucketed@{main_backend}",
-            f"bucketed+overlap@{main_backend}", "bucketed+overlap@mpi", f"DDP@{main_backend}"]
+    """Every strategy, as "kind@backend"; "no averaging" is the compute-only floor."""
+    return ["no averaging@-", "per-param pickle@mpi-pickle", "per-param buffer@mpi",
+            f"bucketed@{main_backend}", f"bucketed+overlap@{main_backend}",
+            "bucketed+overlap@mpi", f"DDP@{main_backend}"]
 
 
 def time_paths(steps: dict[str, Step], args: argparse.Namespace, device: torch.device) -> dict:
@@ -186,7 +190,7 @@ def inner(args: argparse.Namespace) -> None:
     info = init_rank()
     device = torch.device(info.device)
     main_backend = "nccl" if device.type == "cuda" else "gloo"
-    names = {p.partition("@")[2] for p in paths(main_backend)}
+    names = {p.partition("@")[2] for p in paths(main_backend)} - {"-"}
     backends = {name: make_backend(name) for name in sorted(names)}
     try:
         for workload in args.workloads:
@@ -207,8 +211,21 @@ def inner(args: argparse.Namespace) -> None:
                     print(ROW_TAG + json.dumps(row), flush=True)
             del steps  # DDP and the reducers hold hooks and buffers: free before the next
     finally:
-        for backend in backends.values():
-            backend.close()
+        close_together(backends)
+
+
+def close_together(backends: dict) -> None:
+    """Barrier, close, barrier: a rank that exits while a peer still tears down its
+    Gloo connections can make that peer abort after all the work is done."""
+    import gc
+
+    from mpi4py import MPI
+
+    gc.collect()  # DDP wrappers and reducers still hold the process group
+    MPI.COMM_WORLD.Barrier()
+    for backend in backends.values():
+        backend.close()
+    MPI.COMM_WORLD.Barrier()
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:

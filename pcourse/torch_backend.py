@@ -101,6 +101,13 @@ class _TorchBackend(Backend):
         global _users, _own_default
         if self.group is None:
             return
+        # Ranks that tear Gloo down while a peer is still finishing its last
+        # collective can abort ("terminate called without an active exception"):
+        # meet first, so every rank leaves together (bounded by the group timeout).
+        try:
+            self._dist.barrier(group=self.group)
+        except Exception:  # noqa: BLE001 - a dead peer must not stop us releasing ours
+            pass
         self._dist.destroy_process_group(self.group)
         self.group = None
         _users -= 1

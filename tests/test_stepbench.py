@@ -1,0 +1,35 @@
+"""The per-step DDP comparison runs end to end in quick mode and writes its CSV.
+
+Speed is not asserted here (CONTRIBUTING: benchmarks print figures, tests check
+that they run); the rows must be complete and the ratios consistent with the times.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from pcourse import stepbench
+
+
+def test_quick_run_writes_every_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "steps.csv"
+    assert stepbench.main(["--quick", "--out", str(out), "--timeout", "150"]) == 0
+    rows = list(csv.DictReader(out.open()))
+    expected = {p.partition("@")[0] for p in stepbench.paths("gloo")}
+    for workload in ("franke", "mnist"):
+        mine = [r for r in rows if r["workload"] == workload]
+        assert {r["path"] for r in mine} == expected
+        ddp = next(float(r["median_ms"]) for r in mine if r["path"] == "DDP")
+        for r in mine:
+            assert float(r["median_ms"]) > 0
+            assert float(r["ratio_to_ddp"]) == pytest.approx(float(r["median_ms"]) / ddp, rel=1e-2)
+    assert "÷ DDP" in capsys.readouterr().out
+    assert not list(tmp_path.glob(".steps.csv.*"))  # no temporary file left behind
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(SystemExit):
+        stepbench.main(["--ranks", "0"])
