@@ -54,6 +54,11 @@ class FrankeConfig:
     seed: int = 12345
     scaling: str = "strong"
     dtype: str = "float32"  # "float64" makes rank-count comparisons tighter
+    # One torch thread per rank: 100×100 matrices are too small to split, and the
+    # extra thread only adds waits, which a busy machine turns into whole scheduler
+    # slices (20 epochs on a loaded 2-core box: 0.7 s with 1 thread, 4.6 s with 2;
+    # equal on an idle one). None keeps the rank's share that init_rank set.
+    threads: int | None = 1
 
     @classmethod
     def quick(cls, **changes: object) -> FrankeConfig:

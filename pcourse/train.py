@@ -24,13 +24,14 @@ DataLoader worker process per rank costs more than the work on 2-core machines.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
+from tqdm import tqdm  # the text bar: works on engines and in CI without ipywidgets
 
 from pcourse.backends import Backend
 
@@ -113,18 +114,51 @@ def local_batches(n: int, rank: int, size: int, local_batch: int, seed: int, epo
     return torch.split(mine, local_batch)
 
 
-def _epoch(wl: Workload, opt, backend, batches, epoch: int, device) -> float:
-    """One pass over the data; returns the mean loss over all ranks' samples."""
-    if backend is not None:
+def average_gradients_flat(model: nn.Module, backend: Backend) -> None:
+    """Average every gradient across ranks with ONE allreduce of one flat buffer.
+
+    A small model has few, small gradients: per-parameter messages pay the latency
+    once per tensor (6 times for Franke's net), and the copy into one buffer costs
+    microseconds. This is the fast path; the per-parameter one is
+    :func:`pcourse.training.average_gradients`.
+    """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    backend.allreduce(flat, "avg")
+    torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in
+                                 zip(flat.split([g.numel() for g in grads]), grads, strict=True)])
+
+
+def gradient_sync(backend: Backend | None, mode: str = "auto") -> Callable | None:
+    """How gradients are averaged: "flat" (one message) or "per-parameter" (the source's).
+
+    "auto" keeps the source's per-parameter messages for ``mpi-pickle`` (that
+    backend *is* the source's way, kept for comparison) and uses "flat" elsewhere.
+    """
+    if backend is None:
+        return None
+    if mode == "auto":
+        mode = "per-parameter" if backend.name == "mpi-pickle" else "flat"
+    if mode == "flat":
+        return average_gradients_flat
+    if mode == "per-parameter":
         from pcourse.training import average_gradients
+
+        # The model was checked once by broadcast_parameters; no per-step fingerprint.
+        return lambda model, be: average_gradients(model, be, check=False)
+    raise ValueError(f"unknown gradient sync {mode!r}; use 'auto', 'flat' or 'per-parameter'")
+
+
+def _epoch(wl: Workload, opt, backend, sync, batches, epoch: int, device) -> float:
+    """One pass over the data; returns the mean loss over all ranks' samples."""
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, samples)
     for batch in batches:
         idx = batch.to(device)
         opt.zero_grad(set_to_none=False)
         loss = wl.loss_sum(wl.model, idx, epoch)
         (loss / len(idx)).backward()  # mean over my share; averaged over ranks below
-        if backend is not None:
-            average_gradients(wl.model, backend)
+        if sync is not None:
+            sync(wl.model, backend)
         opt.step()
         total[0] += loss.detach()
         total[1] += len(idx)
@@ -133,16 +167,16 @@ def _epoch(wl: Workload, opt, backend, batches, epoch: int, device) -> float:
     return (total[0] / total[1]).item()
 
 
-def _fit(wl: Workload, backend, config, rank, size, local, device, progress: bool):
+def _fit(wl: Workload, backend, sync, opt, scheduler, config, rank, size, local, device,
+         progress: bool):
     """All epochs; returns (per-epoch losses, per-epoch seconds, steps per epoch)."""
-    opt, scheduler = wl.make_optimizer(wl.model)
     losses, times, steps = [], [], 0
     bar = tqdm(range(config.epochs), desc=f"{wl.name} ×{size}", disable=not progress or rank != 0)
     for epoch in bar:
         t0 = time.perf_counter()
         batches = local_batches(wl.n_train, rank, size, local, config.seed, epoch)
         wl.model.train()
-        losses.append(_epoch(wl, opt, backend, batches, epoch, device))
+        losses.append(_epoch(wl, opt, backend, sync, batches, epoch, device))
         if scheduler is not None:
             scheduler.step()
         times.append(time.perf_counter() - t0)
@@ -159,13 +193,15 @@ def train(
     progress: bool = True,
     check: bool = True,
     device: str | torch.device | None = None,
+    sync: str = "auto",
 ) -> TrainResult:
     """Train ``workload`` ("franke", "mnist" or a :class:`Workload`) data-parallel.
 
     ``backend`` None is the serial, one-process reference. ``config`` is a
     FrankeConfig / MNISTConfig (default: the workload's full configuration) and
     must have ``epochs``, ``batch_size``, ``scaling`` and ``seed``. The progress
-    bar shows on rank 0 only; ``check`` compares the final weights across ranks.
+    bar shows on rank 0 only; ``check`` compares the final weights across ranks;
+    ``sync`` chooses how gradients are averaged (see :func:`gradient_sync`).
     """
     rank, size = (backend.rank, backend.size) if backend is not None else (0, 1)
     device = torch.device(device or (backend.device if backend is not None else "cpu"))
@@ -173,17 +209,22 @@ def train(
     wl = workload if isinstance(workload, Workload) else make_workload(workload, config, device)
     local, global_ = batch_sizes(config.scaling, config.batch_size, size, wl.n_train)
 
+    # Setup, not training: torch's first optimiser imports torch._dynamo (about 1 s).
+    opt, scheduler = wl.make_optimizer(wl.model)
     start = time.perf_counter()
     if backend is not None:
         from pcourse.training import broadcast_parameters
 
         broadcast_parameters(wl.model, backend, root=0)
-    losses, times, steps = _fit(wl, backend, config, rank, size, local, device, progress)
+    grad_sync = gradient_sync(backend, sync)
+    with threads(getattr(config, "threads", None)):
+        losses, times, steps = _fit(wl, backend, grad_sync, opt, scheduler, config, rank, size,
+                                    local, device, progress)
     deviation = None
     if check and backend is not None:
         from pcourse.training import check_consistency
 
-        deviation = _max_deviation(check_consistency(wl.model, backend))
+        deviation = check_consistency(wl.model, backend).max_deviation
     total = time.perf_counter() - start
     wl.model.eval()
     test = wl.evaluate(wl.model) if wl.evaluate else None
@@ -192,12 +233,21 @@ def train(
                        losses, times, total, test, deviation, wl.model)
 
 
-def _max_deviation(report: Any) -> float:
-    """The largest weight difference from a consistency report (number or object)."""
-    for attr in ("max_deviation", "max_abs_diff", "largest", "deviation"):
-        if hasattr(report, attr):
-            return float(getattr(report, attr))
-    return float(report)
+@contextmanager
+def threads(n: int | None) -> Iterator[None]:
+    """Use ``n`` torch threads inside the block (None: leave them), then restore.
+
+    A tiny model gains nothing from splitting its matrices over threads, and on a
+    busy machine every op waits for a descheduled thread; Franke's config asks
+    for one. Restored afterwards, so a notebook engine keeps its own setting.
+    """
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def default_config(name: str | Workload) -> Any:

@@ -91,6 +91,7 @@ class MNISTConfig:
     seed: int = 12345
     scaling: str = "weak"
     dtype: str = "float32"
+    threads: int | None = None  # keep init_rank's share of the cores: 784×512 layers use them
 
     @classmethod
     def quick(cls, **changes: object) -> MNISTConfig:

@@ -38,9 +38,13 @@ HAVE_MNIST = (MNIST_DIR / "t10k-images-idx3-ubyte.gz").is_file()
 needs_mnist = pytest.mark.skipif(not HAVE_MNIST, reason=f"no MNIST test split in {MNIST_DIR}")
 
 # Small enough for 2 cores, long enough (24 Adam steps) for a wrong update to show.
-FRANKE = FrankeConfig.quick(epochs=3)
+# float64: the ranks sum gradients in another order than the serial run, and Adam
+# divides by sqrt(v), which blows float32 rounding up to ~1e-5 in a few weights;
+# in float64 the same runs agree to ~1e-15, so the tolerance can be tight.
+FRANKE = FrankeConfig.quick(epochs=3, dtype="float64")
 MNIST = MNISTConfig.quick(limit=512, epochs=1, batch_size=64, scaling="strong",
-                          data_dir=str(MNIST_DIR))
+                          data_dir=str(MNIST_DIR), dtype="float64")
+RTOL, ATOL = 1e-9, 1e-12
 
 
 @pytest.fixture(autouse=True)
@@ -206,9 +210,9 @@ def _parallel_run(tmp_path, workload, config, backend, ranks):
 
 def _assert_same_run(got, ref, label):
     assert got["max_deviation"] == 0.0, f"{label}: ranks disagree by {got['max_deviation']}"
-    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, err_msg=label)
-    np.testing.assert_allclose(got["test_loss"], ref["test_loss"], rtol=1e-5, err_msg=label)
-    torch.testing.assert_close(got["weights"], ref["weights"], rtol=1e-5, atol=1e-6, msg=label)
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=RTOL, err_msg=label)
+    np.testing.assert_allclose(got["test_loss"], ref["test_loss"], rtol=RTOL, err_msg=label)
+    torch.testing.assert_close(got["weights"], ref["weights"], rtol=RTOL, atol=ATOL, msg=label)
 
 
 @pytest.mark.parametrize("backend", ["mpi", "mpi-pickle", "gloo"])
@@ -227,7 +231,7 @@ def test_vae_strong_scaling_matches_the_serial_run(tmp_path, serial_reference):
 def test_a_wrong_update_is_caught(serial_reference):
     """The comparison can fail: another global batch (as in weak scaling) does not match."""
     result = train("franke", None, dataclasses.replace(FRANKE, batch_size=32), progress=False)
-    assert not np.allclose(result.losses, serial_reference["franke"]["losses"], rtol=1e-5)
+    assert not np.allclose(result.losses, serial_reference["franke"]["losses"], rtol=1e-3)
 
 
 # ---------------------------------------------------------------- the benchmark command
@@ -273,13 +277,13 @@ def test_bench_steps_without_stepbench(monkeypatch, capsys):
 
 
 def test_bench_franke_end_to_end(tmp_path, capsys):
-    argv = ["franke", "--quick", "--backends", "mpi", "gloo", "nccl", "--ranks", "1", "2",
+    argv = ["franke", "--quick", "--backends", "mpi", "nccl", "--ranks", "1", "2",
             "--repeats", "2", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
     text = capsys.readouterr().out
     assert "skip nccl" in text and "speed-up" in text
     lines = (tmp_path / "franke_strong.csv").read_text().splitlines()
-    assert lines[0].startswith("workload,backend,ranks") and len(lines) == 1 + 2 * 2 * 2
+    assert lines[0].startswith("workload,backend,ranks") and len(lines) == 1 + 2 * 2
     assert (tmp_path / "franke_strong.png").stat().st_size > 0
 
 
