@@ -13,7 +13,7 @@ STAMP := $(VENV)/.pcourse-installed
 RUN := PATH="$(BIN):$$PATH"
 NOTEBOOKS ?= notebooks
 
-.PHONY: setup lab test lint gpu-check clean-venv
+.PHONY: setup lab test lint gpu-check clean-venv exercises grade
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,3 +42,11 @@ gpu-check:
 
 clean-venv:
 	rm -rf $(VENV)
+
+# exercises/ is generated from solutions/ (the solved, executed notebooks).
+exercises: setup
+	$(RUN) $(PY) -m pcourse.exercises
+
+# Grade every exercise (or: make grade NOTEBOOKS_TO_GRADE="exercises/01_partitioner.ipynb").
+grade: setup
+	$(RUN) $(PY) -m pcourse.grade $(NOTEBOOKS_TO_GRADE)
