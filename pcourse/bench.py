@@ -229,12 +229,9 @@ def mnist_pictures(args: argparse.Namespace, config: Any, model_file: Path) -> l
 
 
 def _steps(argv: list[str]) -> int:
-    try:
-        from pcourse import stepbench
-    except ImportError:
-        print("`steps` needs pcourse.stepbench (the DDP step comparison), which this "
-              "checkout does not have yet.", file=sys.stderr)
-        return 2
+    """`bench steps ...`: the per-step comparison with DDP lives in its own module."""
+    from pcourse import stepbench
+
     return stepbench.main(argv) or 0
 
 

@@ -26,7 +26,8 @@ def _pip_names() -> set[str]:
 
 def _conda_names() -> set[str]:
     names = set()
-    for line in (REPO / "environment.yml").read_text().splitlines():
+    text = (REPO / "environment.yml").read_text()
+    for line in text[text.index("dependencies:"):].splitlines():
         m = re.match(r"^\s+- ([A-Za-z0-9_.-]+)", line)  # active entries only, not comments
         if m:
             name = _name(m.group(1))

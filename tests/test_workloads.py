@@ -270,12 +270,6 @@ def test_bench_bad_mnist_writes_nothing(tmp_path, capsys, monkeypatch, state):
     assert not out.exists()
 
 
-def test_bench_steps_without_stepbench(monkeypatch, capsys):
-    monkeypatch.setitem(__import__("sys").modules, "pcourse.stepbench", None)
-    assert bench.main(["steps"]) == 2
-    assert "stepbench" in capsys.readouterr().err
-
-
 def test_bench_franke_end_to_end(tmp_path, capsys):
     argv = ["franke", "--quick", "--backends", "mpi", "nccl", "--ranks", "1", "2",
             "--repeats", "2", "--out", str(tmp_path)]
