@@ -44,12 +44,23 @@ class MNISTError(RuntimeError):
     """The MNIST files are missing, damaged or cannot be downloaded; says what to do."""
 
 
+# Workshops and CI without a network keep a copy of the files in a `shared/data/mnist`
+# folder beside the course checkout; used when it exists and nothing else is named.
+OFFLINE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+
+
 def resolve_dir(path: str | os.PathLike[str] | None = None) -> Path:
-    """The folder MNIST is read from: argument, then $PCOURSE_MNIST_DIR, then the cache."""
+    """The folder MNIST is read from.
+
+    The argument, then $PCOURSE_MNIST_DIR, then the offline copy beside the
+    checkout if there is one, then the download cache (~/.cache/pcourse/mnist).
+    """
     if path is not None:
         return Path(path).expanduser()
     env = os.environ.get(ENV_VAR)
-    return Path(env).expanduser() if env else DEFAULT_DIR
+    if env:
+        return Path(env).expanduser()
+    return OFFLINE_DIR if OFFLINE_DIR.is_dir() else DEFAULT_DIR
 
 
 def _find(folder: Path, name: str) -> Path | None:
