@@ -26,8 +26,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +35,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from pcourse.backends import Backend
 from pcourse.franke import make_data, make_model
 from pcourse.partition import partition_indices
+from pcourse.train import average_gradients_flat, threads
 
 METHODS = ("exact", "local", "fedavg", "once")
 
@@ -190,8 +189,6 @@ def train(
         raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
     if k < 1:
         raise ValueError(f"k must be at least 1 step, got {k}")
-    # imported here: pcourse.train pulls in tqdm.auto, which warns in a notebook
-    from pcourse.train import average_gradients_flat
 
     rank, size = backend.rank, backend.size
     x, y, x_test, y_test = make_problem(setup)
@@ -226,18 +223,6 @@ def train(
     return run
 
 
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Run tiny models on one thread: on a busy laptop, threads only fight over cores
-    (a step of this network is ~40x slower with 2 contended threads than with 1)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def serial_reference(setup: Setup, size: int) -> torch.Tensor:
     """Large-batch SGD in one process, replaying all ``size`` ranks' batches as one.
 
@@ -246,7 +231,7 @@ def serial_reference(setup: Setup, size: int) -> torch.Tensor:
     """
     x, y, _, _ = make_problem(setup)
     model = new_model(setup)
-    with one_thread():
+    with threads(1):
         for step in range(setup.steps):
             idx = torch.cat([batch_indices(step, r, size, setup) for r in range(size)])
             _sgd_step(model, x[idx], y[idx], setup.lr)

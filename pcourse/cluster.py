@@ -182,12 +182,22 @@ def start_cluster(
     try:
         _wait_for_engines(cluster, client, n, timeout)
         view = client[:]
-        view.block = True
         # cloudpickle ships a notebook-defined function together with the globals it
         # uses (helpers, constants, imports), so learners need no push/import dance.
-        view.use_cloudpickle()
-        view.execute(_ENGINE_INIT)
-        engines = sorted(view.pull("_pcourse_me"), key=lambda e: e.rank)
+        # init_rank runs an MPI collective: a rank that never joins must not hang us.
+        view.block = False
+        for step in (view.use_cloudpickle, lambda: view.execute(_ENGINE_INIT)):
+            step().get(timeout=timeout)
+        engines = sorted(view.pull("_pcourse_me").get(timeout=timeout), key=lambda e: e.rank)
+        view.block = True
+    except ipp.error.TimeoutError as exc:
+        client.close()
+        _force_stop(cluster)
+        raise ClusterError(
+            f"the engines registered but did not finish initialising within {timeout:.0f} s "
+            "(MPI between them may be broken: try `mpiexec -n 2 python -m mpi4py.bench "
+            "helloworld`)."
+        ) from exc
     except BaseException:
         client.close()
         _force_stop(cluster)

@@ -58,6 +58,9 @@ def _check_same_length(comm: Any, n: int) -> None:
 
     both = np.array([n, -n], dtype=np.int64)
     comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
+    if -both[1] < 0:  # a rank joined with REFUSED: its input failed the local checks
+        raise LengthMismatchError("another rank refused its input (see that rank's error); "
+                                  "no rank communicated")
     if both[0] != -both[1]:
         raise LengthMismatchError(
             f"allreduce needs the same length on every rank, but lengths range from "
@@ -65,20 +68,35 @@ def _check_same_length(comm: Any, n: int) -> None:
         )
 
 
+REFUSED = -1  # the "length" a rank reports when its own input is invalid
+
+
 def _prepare(x: Any, op: str, out: Any, comm: Any, check: bool):
-    """Shared set-up: the buffer to reduce into, the numpy ufunc, the communicator."""
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
-    src = _as_array(x, "input")
-    result = x if out is None else out
-    buf = src if out is None else _as_array(out, "out")
-    if buf.shape != src.shape or buf.dtype != src.dtype:
-        raise ValueError(f"out must match the input: {buf.dtype}{buf.shape} vs {src.dtype}"
-                         f"{src.shape}")
+    """Shared set-up: the buffer to reduce into, the numpy ufunc, the communicator.
+
+    A rank whose input fails the local checks still joins the length check (with
+    REFUSED), so that every rank raises instead of the others waiting forever.
+    """
     if comm is None:
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
+    try:
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
+        src = _as_array(x, "input")
+        result = x if out is None else out
+        buf = src if out is None else _as_array(out, "out")
+        if buf.shape != src.shape or buf.dtype != src.dtype:
+            raise ValueError(f"out must match the input: {buf.dtype}{buf.shape} vs "
+                             f"{src.dtype}{src.shape}")
+    except (ValueError, TypeError):
+        if check:
+            try:
+                _check_same_length(comm, REFUSED)
+            except LengthMismatchError:
+                pass  # our own error below says what is wrong
+        raise
     if check:
         _check_same_length(comm, src.size)
     if buf is not src:

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import re
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
 import nbformat
+
+from pcourse.io import atomic_write
 
 REPO = Path(__file__).resolve().parents[1]
 BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:"
@@ -174,14 +174,8 @@ def stale(solutions: Path, exercises: Path) -> list[str]:
 
 
 def write_atomic(nb: nbformat.NotebookNode, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            nbformat.write(nb, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path, encoding="utf-8") as f:
+        nbformat.write(nb, f)
 
 
 def regenerate(solutions: Path, exercises: Path) -> list[Path]:

@@ -21,11 +21,14 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
+
+from pcourse.launch import kill_group
 
 REPO = Path(__file__).resolve().parents[1]
 CELL_TIMEOUT = 300  # seconds per cell; the checks' own deadline is shorter (checks.RUN_TIMEOUT)
@@ -90,25 +93,32 @@ def run_nbval(notebooks: list[Path], cell_timeout: float = CELL_TIMEOUT, jobs: i
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     groups = [notebooks[i::jobs] for i in range(max(1, min(jobs, len(notebooks))))]
     results: dict = {}
+    # One deadline for all groups, since they run side by side.
+    deadline = time.monotonic() + NOTEBOOK_TIMEOUT * max(len(g) for g in groups)
     with tempfile.TemporaryDirectory(prefix="pcourse-grade-") as name:
         dirs = [Path(name) / f"job{i}" for i in range(len(groups))]
-        procs = []
-        for group, tmp in zip(groups, dirs, strict=True):
-            tmp.mkdir()
-            procs.append(subprocess.Popen(_pytest_command(group, tmp, cell_timeout), env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
-        for group, tmp, proc in zip(groups, dirs, procs, strict=True):
-            try:
-                out, _ = proc.communicate(timeout=NOTEBOOK_TIMEOUT * len(group))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, _ = proc.communicate()
-            xml = tmp / "junit.xml"
-            if not xml.exists():
-                raise RuntimeError(f"nbval did not run (exit code {proc.returncode}):\n"
-                                   f"{out[-3000:]}")
-            results.update(_parse_junit(ET.parse(xml), group, tmp))
+        procs: list[subprocess.Popen] = []
+        try:
+            for group, tmp in zip(groups, dirs, strict=True):
+                tmp.mkdir()
+                # Own session: a timeout reaps pytest *and* its kernels and engines.
+                procs.append(subprocess.Popen(
+                    _pytest_command(group, tmp, cell_timeout), env=env, text=True,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
+            for group, tmp, proc in zip(groups, dirs, procs, strict=True):
+                try:
+                    out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    kill_group(proc, grace=30)
+                    out, _ = proc.communicate()
+                xml = tmp / "junit.xml"
+                if not xml.exists():
+                    raise RuntimeError(f"nbval did not run (exit code {proc.returncode}):\n"
+                                       f"{out[-3000:]}")
+                results.update(_parse_junit(ET.parse(xml), group, tmp))
+        finally:
+            for proc in procs:
+                kill_group(proc, grace=30)
     return results
 
 

@@ -23,7 +23,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from pcourse.averaging import Setup, batch_indices, make_problem, new_model, one_thread
+from pcourse.averaging import Setup, batch_indices, make_problem, new_model
+from pcourse.train import threads
 
 JOIN_GRACE = 5.0  # seconds a terminated worker gets before it is killed
 
@@ -114,7 +115,7 @@ def serial(setup: Setup, steps: int) -> float:
     """Test MSE after ``steps`` plain SGD steps in one process: Hogwild's reference."""
     x, y, _, _ = make_problem(setup)
     model = new_model(setup)
-    with one_thread():
+    with threads(1):
         for step in range(steps):
             idx = batch_indices(step, 0, 1, setup)
             model.zero_grad(set_to_none=True)

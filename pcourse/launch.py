@@ -54,22 +54,41 @@ def mpirun(
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc)
         out, _ = proc.communicate()
         raise MPIJobError(
             f"`{' '.join(cmd)}` did not finish within {timeout:.0f} s and was killed. "
             f"Output tail:\n{_tail(out)}"
         ) from None
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_group(proc)
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
     if check and proc.returncode != 0:
         raise MPIJobError(
             f"`{' '.join(cmd)}` exited with code {proc.returncode}. Output tail:\n{_tail(out)}"
         )
     return result
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:
+    """End a process started with ``start_new_session=True`` and everything it started.
+
+    With ``grace``, the group first gets SIGINT (pytest and Jupyter shut their kernels
+    and clusters down on it) and that many seconds to exit; then SIGKILL for what is left.
+    """
+    if proc.poll() is not None:
+        return
+    if grace > 0:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=grace)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _tail(text: str | None, lines: int = 40) -> str:

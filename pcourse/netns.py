@@ -23,13 +23,14 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from pcourse.launch import kill_group
 
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
 IFNAMES = ("veth-a", "veth-b")
@@ -177,7 +178,7 @@ def run_allreduce(nodes: Nodes, ifnames: Sequence[str] | None = None, timeout: f
         outputs = [_collect(p, deadline) for p in procs]
     finally:
         for p in procs:
-            _kill(p)
+            kill_group(p)
     return [_outcome(r, nodes.names[r], ifnames[r], out) for r, out in enumerate(outputs)]
 
 
@@ -185,14 +186,10 @@ def _collect(proc: subprocess.Popen, deadline: float) -> str:
     try:
         return proc.communicate(timeout=max(0.1, deadline - time.monotonic()))[0]
     except subprocess.TimeoutExpired:
-        _kill(proc)
+        kill_group(proc)
         return json.dumps({"error": "no answer by the deadline: killed"})
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def _outcome(rank: int, ns: str, ifname: str, output: str) -> RankOutcome:

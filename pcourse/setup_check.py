@@ -15,8 +15,12 @@ import importlib.metadata
 import platform
 import sys
 
+import ipyparallel as ipp
+
 from pcourse.backends import backend_status
 from pcourse.cluster import MPICluster, start_cluster, stop_cluster
+
+SMOKE_TIMEOUT = 120.0  # seconds for one backend's allreduce on every engine
 
 
 def _version(dist: str) -> str:
@@ -84,12 +88,18 @@ def smoke_test(mc: MPICluster, names: list[str]) -> dict[str, str]:
     Every rank contributes rank+1, so every rank must hold n(n+1)/2 afterwards.
     """
     expected = mc.n * (mc.n + 1) / 2
-    verdicts = {}
+    verdicts: dict[str, str] = {}
     for name in names:
         try:
-            results = mc.view.apply_sync(_engine_smoke, name)
+            results = mc.view.apply_async(_engine_smoke, name).get(timeout=SMOKE_TIMEOUT)
             ok = all(v == expected for r in results for v in r)
             verdicts[name] = "OK" if ok else f"WRONG: got {results}, expected {expected}"
+        except ipp.error.TimeoutError:
+            # The engines are still stuck inside that backend: nothing more can run.
+            verdicts[name] = f"FAILED: no answer within {SMOKE_TIMEOUT:.0f} s (hung)"
+            for rest in names[names.index(name) + 1:]:
+                verdicts[rest] = "NOT TESTED: the engines were stuck in the previous backend"
+            break
         except Exception as exc:  # noqa: BLE001 - a failing backend is a verdict, not a crash
             verdicts[name] = f"FAILED: {type(exc).__name__}: {exc}"
     return verdicts

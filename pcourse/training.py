@@ -58,14 +58,19 @@ def check_same_model(tensors: list[torch.Tensor], backend: Backend, what: str) -
         )
 
 
-def _reduce(tensor: torch.Tensor, backend: Backend, op: str) -> None:
-    """Reduce in place, staging through the backend's device if the tensor is elsewhere."""
+def _on_backend_device(tensor: torch.Tensor, backend: Backend, collective) -> None:
+    """Run ``collective(t)`` in place on ``tensor``, staged through the backend's device
+    if the tensor lives elsewhere (the MPI backends stage any device themselves)."""
     if tensor.device == backend.device or backend.name.startswith("mpi"):
-        backend.allreduce(tensor, op)  # the MPI backends stage any device themselves
+        collective(tensor)
     else:
         staged = tensor.detach().to(backend.device)
-        backend.allreduce(staged, op)
+        collective(staged)
         tensor.detach().copy_(staged)
+
+
+def _reduce(tensor: torch.Tensor, backend: Backend, op: str) -> None:
+    _on_backend_device(tensor, backend, lambda t: backend.allreduce(t, op))
 
 
 def average_gradients(model: torch.nn.Module, backend: Backend, check: bool = True) -> None:
@@ -91,12 +96,7 @@ def broadcast_parameters(model: torch.nn.Module, backend: Backend, root: int = 0
     tensors = [t for _, t in _named_tensors(model)]
     check_same_model(tensors, backend, "models")
     for t in tensors:
-        if t.device == backend.device or backend.name.startswith("mpi"):
-            backend.broadcast(t, root)
-        else:
-            staged = t.detach().to(backend.device)
-            backend.broadcast(staged, root)
-            t.copy_(staged)
+        _on_backend_device(t, backend, lambda buf: backend.broadcast(buf, root))
 
 
 @dataclass

@@ -93,6 +93,19 @@ def check_mismatch(name: str) -> None:
         raise AssertionError(f"{name}: mismatched lengths were not refused")
 
 
+def check_one_rank_refuses(name: str) -> None:
+    """Bad input on rank 0 only: rank 0 says why, the others learn of it; nobody hangs."""
+    op = "bogus" if COMM.rank == 0 else "sum"
+    try:
+        ALGORITHMS[name](np.ones(4), op)
+    except LengthMismatchError as exc:
+        assert COMM.rank != 0 and "refused" in str(exc), f"{name}: {exc}"
+    except ValueError as exc:
+        assert COMM.rank == 0 and "unknown op" in str(exc), f"{name}: {exc}"
+    else:
+        raise AssertionError(f"{name}: rank {COMM.rank} did not raise")
+
+
 def main() -> int:
     p = COMM.size
     lengths = sorted({0, 1, max(p - 1, 0), p + 1})
@@ -111,6 +124,7 @@ def main() -> int:
             check_torch(name)
         if p > 1:
             check_mismatch(name)
+            check_one_rank_refuses(name)
         count += 4
     COMM.Barrier()
     if COMM.rank == 0:
