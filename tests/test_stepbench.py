@@ -25,8 +25,8 @@ def test_quick_run_writes_every_path(tmp_path: Path, capsys: pytest.CaptureFixtu
         ddp = next(float(r["median_ms"]) for r in mine if r["path"] == "DDP")
         for r in mine:
             assert float(r["median_ms"]) > 0
-            expected = float(r["median_ms"]) / ddp
-            assert float(r["ratio_to_ddp"]) == pytest.approx(expected, rel=1e-2, abs=1e-3)
+            ratio = float(r["median_ms"]) / ddp
+            assert float(r["ratio_to_ddp"]) == pytest.approx(ratio, rel=1e-2, abs=1e-3)
     assert "÷ DDP" in capsys.readouterr().out
     assert not list(tmp_path.glob(".steps.csv.*"))  # no temporary file left behind
 
