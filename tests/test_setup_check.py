@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from pcourse import setup_check
 from pcourse.backends import BACKENDS, backend_status
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_backend_table_names_every_backend_with_a_reason():
@@ -32,3 +35,15 @@ def test_command_line_check_is_ready_here():
     assert result.returncode == 0, out + result.stderr
     assert out.strip().splitlines()[-1] == "READY"
     assert "allreduce over mpi         OK" in out and "allreduce over gloo        OK" in out
+
+
+def test_setup_notebook_passes_under_nbval_again():
+    """The suite runs notebooks/ through nbval once; this is the second run in a row, so a
+    first run that left state behind (a cluster, a file, a port) would fail here or there."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "notebooks/00_setup_check.ipynb"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout
