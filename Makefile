@@ -35,9 +35,15 @@ test: setup
 lint: setup
 	$(RUN) $(BIN)/ruff check pcourse tests
 
+# CuPy and NCCL's runtime on top of the usual setup (a stamp of their own, so that
+# a venv set up without them still gets them here).
+GPU_STAMP := $(VENV)/.pcourse-gpu-installed
+$(GPU_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,gpu]"
+	@touch $@
+
 # Both NCCL backends, one rank per visible GPU, checked against MPI's own Allreduce.
-gpu-check:
-	$(MAKE) setup EXTRAS=test,gpu
+gpu-check: $(GPU_STAMP)
 	$(RUN) $(PY) -m pcourse.gpu_check
 
 clean-venv:
