@@ -140,7 +140,9 @@ def launch(args: argparse.Namespace, backend: str, ranks: int, save_model: Path 
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
     if len(lines) != 1:
         raise BenchError(f"{backend} at {ranks} rank(s) printed no result:\n{proc.stdout[-2000:]}")
-    return {**json.loads(lines[0][len(RESULT_TAG):]), "wall_time": wall}
+    # raw_decode: stderr shares the pipe and may glue a warning onto the line's end
+    row = json.JSONDecoder().raw_decode(lines[0][len(RESULT_TAG):])[0]
+    return {**row, "wall_time": wall}
 
 
 def run_all(args: argparse.Namespace, model_file: Path) -> list[dict]:

@@ -257,7 +257,9 @@ def outer(args: argparse.Namespace, argv: list[str]) -> int:
         except MPIJobError as exc:
             print(f"error: the step benchmark at {ranks} ranks failed: {exc}", file=sys.stderr)
             return 1
-        found = [json.loads(ln[len(ROW_TAG):]) for ln in proc.stdout.splitlines()
+        # raw_decode: stderr shares the pipe and may glue a warning onto a row's end
+        found = [json.JSONDecoder().raw_decode(ln[len(ROW_TAG):])[0]
+                 for ln in proc.stdout.splitlines()
                  if ln.startswith(ROW_TAG)]
         if not found:
             print(f"error: no results at {ranks} ranks:\n{proc.stdout[-2000:]}", file=sys.stderr)

@@ -29,7 +29,8 @@ EXPECTED = {
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_mpi_checks_pass_on_two_ranks(backend):
     out = mpirun(2, [str(CHECK), backend], timeout=240).stdout
-    assert set(re.findall(r"^OK (\S+)$", out, re.M)) == EXPECTED, out
+    # stdout and stderr share the pipe: a warning can land right after an OK line
+    assert set(re.findall(r"^OK (\w+)", out, re.M)) == EXPECTED, out
 
 
 def test_rank_selection_is_a_pure_function_of_seed_and_round():
