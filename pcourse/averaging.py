@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -152,13 +153,24 @@ class Run:
     final: torch.Tensor | None = None  # this rank's weights at the end ("once": before averaging)
 
 
-def _sgd_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float) -> None:
-    """Plain SGD by hand (no optimizer state), so averaging weights is all that differs."""
+def sgd_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float,
+             average: Callable[[nn.Module], None] | None = None) -> torch.Tensor:
+    """One step of plain SGD by hand; returns the batch's loss.
+
+    No optimizer state, so averaging weights is all that differs between the methods
+    here. ``average`` runs between backward and the update ("exact" passes gradient
+    averaging). The update is in place: under Hogwild the weights live in shared
+    memory and several processes write them this way, with no lock.
+    """
     model.zero_grad(set_to_none=True)
-    nn.functional.mse_loss(model(x), y).backward()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    if average is not None:
+        average(model)
     with torch.no_grad():
         for p in model.parameters():
             p -= lr * p.grad
+    return loss.detach()
 
 
 @torch.no_grad()
@@ -199,15 +211,11 @@ def train(
         if active:
             idx = batch_indices(step, rank, size, setup)
             if method == "exact":
-                model.zero_grad(set_to_none=True)
-                nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
-                average_gradients_flat(model, backend)
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p -= setup.lr * p.grad
+                average = functools.partial(average_gradients_flat, backend=backend)
+                sgd_step(model, x[idx], y[idx], setup.lr, average)
                 run.messages += 1
             else:
-                _sgd_step(model, x[idx], y[idx], setup.lr)
+                sgd_step(model, x[idx], y[idx], setup.lr)
         if method in ("local", "fedavg") and (step + 1) % k == 0:
             average_parameters(model, backend, weight=1.0 if active else 0.0)
             run.messages += 1
@@ -234,7 +242,7 @@ def serial_reference(setup: Setup, size: int) -> torch.Tensor:
     with threads(1):
         for step in range(setup.steps):
             idx = torch.cat([batch_indices(step, r, size, setup) for r in range(size)])
-            _sgd_step(model, x[idx], y[idx], setup.lr)
+            sgd_step(model, x[idx], y[idx], setup.lr)
     return parameters_to_vector(model.parameters()).detach().clone()
 
 

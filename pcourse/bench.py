@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import tempfile
@@ -30,7 +29,6 @@ from pcourse.backends import BACKENDS, unavailable_reason
 from pcourse.io import savefig_atomic, write_csv
 
 CPU_BACKENDS = ["mpi", "mpi-pickle", "gloo"]
-RESULT_TAG = "PCOURSE_RESULT "
 FIELDS = ["workload", "backend", "ranks", "repeat", "scaling", "epochs", "global_batch",
           "local_batch", "steps_per_epoch", "train_time", "total_time", "wall_time",
           "final_loss", "test_loss", "max_deviation"]
@@ -108,8 +106,9 @@ def skip_reason(backend: str, ranks: int) -> str:
 
 
 def inner(args: argparse.Namespace) -> None:
-    """One MPI job: train once with ``args.backend``; rank 0 prints the result as JSON."""
+    """One MPI job: train once with ``args.backend``; rank 0 reports the result row."""
     from pcourse.backends import make_backend
+    from pcourse.launch import report_rows
     from pcourse.rankinfo import init_rank
     from pcourse.train import train
 
@@ -121,28 +120,22 @@ def inner(args: argparse.Namespace) -> None:
                 import torch
 
                 torch.save(result.model.state_dict(), args.save_model)
-            print(RESULT_TAG + json.dumps(result.summary()), flush=True)
+            report_rows([result.summary()])
 
 
 def launch(args: argparse.Namespace, backend: str, ranks: int, save_model: Path | None) -> dict:
     """Run one configuration as its own MPI job; return its result row."""
-    from pcourse.launch import MPIJobError, mpirun
+    from pcourse.launch import MPIJobError, mpirun_rows
 
     inner_args = ["-m", "pcourse.bench", *args.argv, "--inner", "--backend", backend]
     if save_model is not None:
         inner_args += ["--save-model", str(save_model)]
     start = time.perf_counter()
     try:
-        proc = mpirun(ranks, inner_args, timeout=args.timeout)
+        rows, _ = mpirun_rows(ranks, inner_args, timeout=args.timeout)
     except MPIJobError as exc:
         raise BenchError(f"{backend} at {ranks} rank(s) failed: {exc}") from exc
-    wall = time.perf_counter() - start
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
-    if len(lines) != 1:
-        raise BenchError(f"{backend} at {ranks} rank(s) printed no result:\n{proc.stdout[-2000:]}")
-    # raw_decode: stderr shares the pipe and may glue a warning onto the line's end
-    row = json.JSONDecoder().raw_decode(lines[0][len(RESULT_TAG):])[0]
-    return {**row, "wall_time": wall}
+    return {**rows[0], "wall_time": time.perf_counter() - start}
 
 
 def run_all(args: argparse.Namespace, model_file: Path) -> list[dict]:

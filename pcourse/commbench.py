@@ -14,10 +14,8 @@ alpha-beta model. Run plainly, it launches itself under ``mpiexec`` once per
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,7 +25,6 @@ import numpy as np
 
 from pcourse import collectives
 from pcourse.commreport import report
-from pcourse.io import atomic_write
 
 METHODS = ("mpi", "mpi-pickle", "tree", "ring", "recursive-doubling", "gloo", "nccl",
            "nccl-cupy")
@@ -63,7 +60,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per mpiexec launch")
     ap.add_argument("--out", type=Path, default=Path("results/commbench.csv"))
     ap.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
-    ap.add_argument("--inner", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     quick = args.quick
     for name, normal, smoke in [("ranks", [2, 4], [2]), ("max_bytes", 64 * MiB, 64 << 10),
@@ -82,7 +79,7 @@ def _validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     bad = [n for n in args.ranks if n < 2]
     if bad:
         ap.error(f"--ranks: an allreduce needs at least 2 ranks to communicate, got {bad}")
-    if args.inner is None:  # only the launcher cares; ranks need not import the cluster code
+    if not args.inner:  # only the launcher cares; ranks need not import the cluster code
         from pcourse.cluster import max_engines
 
         if max(args.ranks) > max_engines():
@@ -215,8 +212,8 @@ def run_inner(args: argparse.Namespace) -> list[dict]:
 # ---- launching and reporting: one process -------------------------------------------
 
 
-def _inner_argv(args: argparse.Namespace, rows_path: Path) -> list[str]:
-    argv = ["-m", "pcourse.commbench", "--inner", str(rows_path), "--out", str(args.out)]
+def _inner_argv(args: argparse.Namespace) -> list[str]:
+    argv = ["-m", "pcourse.commbench", "--inner", "--out", str(args.out)]
     for opt in ("min_bytes", "max_bytes", "factor", "warmup", "target_time", "min_iters",
                 "max_iters"):
         argv += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
@@ -225,34 +222,28 @@ def _inner_argv(args: argparse.Namespace, rows_path: Path) -> list[str]:
 
 def launch(args: argparse.Namespace) -> list[dict]:
     """One mpiexec per rank count, each with a deadline; collect rank 0's rows."""
-    from pcourse.launch import mpirun
+    from pcourse.launch import mpirun_rows
 
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="commbench.") as tmp:
-        for p in args.ranks:
-            print(f"launching {p} ranks ...", flush=True)
-            path = Path(tmp) / f"rows{p}.json"
-            done = mpirun(p, _inner_argv(args, path), timeout=args.timeout)
-            print(done.stdout.strip())
-            rows += json.loads(path.read_text())
+    for p in args.ranks:
+        print(f"launching {p} ranks ...", flush=True)
+        found, output = mpirun_rows(p, _inner_argv(args), timeout=args.timeout)
+        print(output.strip())
+        rows += found
     return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pcourse.launch import MPIJobError, launched_by_mpirun_rows, report_rows
+
     args = parse_args(argv)
-    if args.inner is not None:  # a rank of a job that `launch` started
-        rows = run_inner(args)
-        if rows:
-            with atomic_write(args.inner) as f:
-                json.dump(rows, f)
-        return 0
-    if int(os.environ.get("PMI_SIZE", "1")) > 1 or _mpi_size() > 1:  # the user ran mpiexec
-        rows = run_inner(args)
-        if rows:
+    if args.inner or int(os.environ.get("PMI_SIZE", "1")) > 1 or _mpi_size() > 1:
+        rows = run_inner(args)  # a rank of a job that `launch` or the user's mpiexec started
+        if rows and launched_by_mpirun_rows():
+            report_rows(rows)
+        elif rows:
             report(rows, args.out, args.plot)
         return 0
-    from pcourse.launch import MPIJobError
-
     try:
         rows = launch(args)
     except MPIJobError as exc:  # nothing is written: no half-finished results

@@ -23,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from pcourse.averaging import Setup, batch_indices, make_problem, new_model
+from pcourse.averaging import Setup, batch_indices, make_problem, new_model, sgd_step
 from pcourse.train import threads
 
 JOIN_GRACE = 5.0  # seconds a terminated worker gets before it is killed
@@ -50,13 +50,8 @@ def _worker(w: int, workers: int, model: nn.Module, losses: torch.Tensor,
     x, y, _, _ = make_problem(setup)
     for step in range(setup.steps):
         idx = batch_indices(step, w, workers, setup)
-        model.zero_grad(set_to_none=True)  # gradients are private to this process
-        loss = nn.functional.mse_loss(model(x[idx]), y[idx])
-        loss.backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= setup.lr * p.grad  # in place, in shared memory, no lock
-        losses[w, step] = loss.detach()
+        # Gradients are private to this process; the update lands in shared memory, unlocked.
+        losses[w, step] = sgd_step(model, x[idx], y[idx], setup.lr)
 
 
 def _test_loss(model: nn.Module, setup: Setup) -> float:
@@ -118,9 +113,5 @@ def serial(setup: Setup, steps: int) -> float:
     with threads(1):
         for step in range(steps):
             idx = batch_indices(step, 0, 1, setup)
-            model.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= setup.lr * p.grad
+            sgd_step(model, x[idx], y[idx], setup.lr)
     return _test_loss(model, setup)

@@ -3,18 +3,27 @@
 Tests and benchmarks launch their own MPI jobs; a collective that never completes
 must end in a clear timeout, not a CI job that hangs. The job runs in its own
 process group so that the deadline kills mpiexec *and* every rank it started.
+
+Benchmarks relaunch themselves this way and need their results back: the job's
+rank 0 calls :func:`report_rows`, the launcher gets them from :func:`mpirun_rows`.
+They travel in a file, not in the output, which the ranks' prints and warnings share.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from pcourse.cluster import find_mpiexec
+from pcourse.io import atomic_write
+
+ROWS_ENV = "PCOURSE_ROWS_FILE"  # where report_rows writes; set by mpirun_rows
 
 
 class MPIJobError(RuntimeError):
@@ -35,6 +44,8 @@ def mpirun(
     ``args`` follow the Python interpreter: ``["-m", "pcourse.commbench", ...]`` or
     ``["path/to/script.py", ...]``.
     """
+    from pcourse.cluster import find_mpiexec  # not at import: ranks skip ipyparallel
+
     if n < 1:
         raise ValueError(f"n must be at least 1 rank, got {n}")
     mpiexec = find_mpiexec()
@@ -68,6 +79,33 @@ def mpirun(
             f"`{' '.join(cmd)}` exited with code {proc.returncode}. Output tail:\n{_tail(out)}"
         )
     return result
+
+
+def mpirun_rows(
+    n: int, args: Sequence[str], *, timeout: float = 300.0, env: dict[str, str] | None = None
+) -> tuple[list[dict[str, Any]], str]:
+    """Run a job whose rank 0 calls :func:`report_rows`; return (its rows, its output).
+
+    MPIJobError if the job fails, times out or ends without reporting.
+    """
+    with tempfile.TemporaryDirectory(prefix="pcourse-rows.") as tmp:
+        path = Path(tmp) / "rows.json"
+        proc = mpirun(n, args, timeout=timeout, env={**(env or {}), ROWS_ENV: str(path)})
+        if not path.exists():
+            raise MPIJobError(f"`{' '.join(proc.args)}` finished but reported no results. "
+                              f"Output tail:\n{_tail(proc.stdout)}")
+        return json.loads(path.read_text()), proc.stdout
+
+
+def launched_by_mpirun_rows() -> bool:
+    """True in a job that :func:`mpirun_rows` started (so results go back, not to print)."""
+    return ROWS_ENV in os.environ
+
+
+def report_rows(rows: list[dict[str, Any]]) -> None:
+    """Hand ``rows`` to the :func:`mpirun_rows` that launched this job (call on one rank)."""
+    with atomic_write(os.environ[ROWS_ENV]) as f:
+        json.dump(rows, f)
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:

@@ -33,19 +33,19 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch import nn
 
 from pcourse.io import write_csv
+from pcourse.launch import launched_by_mpirun_rows, report_rows
+from pcourse.train import Workload
 
-ROW_TAG = "STEPBENCH_ROW "
-FIELDS = ["workload", "data", "ranks", "path", "backend", "local_batch", "params",
+FIELDS = ["workload", "ranks", "path", "backend", "local_batch", "params",
           "median_ms", "p25_ms", "p75_ms", "steps", "ratio_to_ddp"]
 Step = Callable[[int], None]  # runs training step number i
 
@@ -66,57 +66,36 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-# -- the workloads: model and a batch-loss function, same on every path ------------------
+# -- the workloads: the course's own, so the step is the training loop's step ----------
 
-def franke_workload(ranks: int, device: torch.device) -> tuple[nn.Module, Callable, int, str]:
-    """The source's 2→100→100→1 net; global batch 256 split over the ranks (strong)."""
-    from pcourse.franke import make_data, make_model
+def workload_config(name: str) -> Any:
+    """Franke: the source's global batch of 256, split over the ranks (strong).
+    MNIST: the 10,000-image test split, 128 images per rank (weak, as the source)."""
+    from pcourse.franke import FrankeConfig
+    from pcourse.vae import MNISTConfig
 
-    x, y = (t.to(device) for t in make_data(10_000, 12345))
-    local = max(1, 256 // ranks)
-
-    def loss(net: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-        return nn.functional.mse_loss(net(x[idx]), y[idx])
-
-    return make_model().to(device), loss, local, "franke"
+    return FrankeConfig() if name == "franke" else MNISTConfig(split="test")
 
 
-def mnist_images() -> tuple[torch.Tensor, str]:
-    """The MNIST test split if it is on this machine, else MNIST-shaped noise (said so)."""
+def mnist_missing() -> str:
+    """Why the MNIST workload cannot run here ("" if it can); checked before launching."""
     from pcourse.mnist import MNISTError, load_mnist
 
     try:
-        return load_mnist("test", allow_download=False)[0], "mnist"
-    except (MNISTError, OSError):
-        pass
-    gen = torch.Generator().manual_seed(0)
-    return torch.rand(10_000, 784, generator=gen), "synthetic"
-
-
-def mnist_workload(ranks: int, device: torch.device) -> tuple[nn.Module, Callable, int, str]:
-    """The source's VAE 784→512→256→2; 128 images per rank (weak scaling, as the source)."""
-    from pcourse.vae import make_model, vae_loss
-
-    images, data = mnist_images()
-    x = images.to(device)
-    eps = torch.randn(len(x), 2, generator=torch.Generator().manual_seed(1)).to(device)
-
-    def loss(net: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-        logits, mu, logvar = net(x[idx], eps[idx])
-        return vae_loss(logits, x[idx], mu, logvar)
-
-    return make_model().to(device), loss, 128, data
+        load_mnist("test")
+    except (MNISTError, OSError) as exc:
+        return str(exc)
+    return ""
 
 
 # -- the paths: each returns its own model copy wrapped for one strategy ------------------
 
-def make_step(path: str, model: nn.Module, loss: Callable, batches: list[torch.Tensor],
-              backends: dict) -> Step:
-    """One training step of ``model`` (a private copy) averaged the way ``path`` says."""
+def make_step(path: str, wl: Workload, batches: list[torch.Tensor], backends: dict) -> Step:
+    """One training step of a private copy of ``wl.model``, averaged the way ``path`` says."""
     from pcourse.buckets import BucketedAllreduce
     from pcourse.training import average_gradients
 
-    model = copy.deepcopy(model)
+    model = copy.deepcopy(wl.model)
     net, after = model, (lambda: None)
     kind, _, backend_name = path.partition("@")
     backend = backends.get(backend_name)
@@ -131,11 +110,12 @@ def make_step(path: str, model: nn.Module, loss: Callable, batches: list[torch.T
 
         ids = [backend.device.index] if backend.device.type == "cuda" else None
         net = DDP(model, device_ids=ids, bucket_cap_mb=25, gradient_as_bucket_view=True)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt, _ = wl.make_optimizer(model)
 
-    def step(i: int) -> None:
+    def step(i: int) -> None:  # as pcourse.train's loop: mean over my share, averaged
+        idx = batches[i % len(batches)]
         opt.zero_grad(set_to_none=False)
-        loss(net, batches[i % len(batches)]).backward()
+        (wl.loss_sum(net, idx, 0) / len(idx)).backward()
         after()
         opt.step()
 
@@ -177,38 +157,40 @@ def time_paths(steps: dict[str, Step], args: argparse.Namespace, device: torch.d
     return slowest
 
 
-def inner(args: argparse.Namespace) -> None:
-    """One MPI job: time every path on every workload; rank 0 prints one row per path."""
+def inner(args: argparse.Namespace) -> list[dict]:
+    """One MPI job: time every path on every workload; rank 0 returns the rows."""
     import numpy as np
 
     from pcourse.backends import make_backend
     from pcourse.rankinfo import init_rank
+    from pcourse.train import batch_sizes, make_workload
 
     info = init_rank()
     device = torch.device(info.device)
     main_backend = "nccl" if device.type == "cuda" else "gloo"
     names = {p.partition("@")[2] for p in paths(main_backend)} - {"-"}
     backends = {name: make_backend(name) for name in sorted(names)}
+    rows = []
     try:
         for workload in args.workloads:
-            build = franke_workload if workload == "franke" else mnist_workload
-            model, loss, local, data = build(info.size, device)
+            config = workload_config(workload)
+            wl = make_workload(workload, config, device)
+            local, _ = batch_sizes(config.scaling, config.batch_size, info.size, wl.n_train)
             gen = torch.Generator().manual_seed(100 + info.rank)
-            n = 10_000
-            batches = [torch.randint(0, n, (local,), generator=gen).to(device) for _ in range(16)]
-            steps = {p: make_step(p, model, loss, batches, backends) for p in paths(main_backend)}
+            batches = [torch.randint(0, wl.n_train, (local,), generator=gen).to(device)
+                       for _ in range(16)]
+            steps = {p: make_step(p, wl, batches, backends) for p in paths(main_backend)}
             for path, secs in time_paths(steps, args, device).items():
                 kind, _, backend = path.partition("@")
                 ms = np.percentile(secs * 1e3, [25, 50, 75])
-                row = {"workload": workload, "data": data, "ranks": info.size, "path": kind,
-                       "backend": backend, "local_batch": local, "steps": len(secs),
-                       "params": sum(p.numel() for p in model.parameters()),
-                       "p25_ms": ms[0], "median_ms": ms[1], "p75_ms": ms[2]}
-                if info.rank == 0:
-                    print(ROW_TAG + json.dumps(row), flush=True)
+                rows.append({"workload": workload, "ranks": info.size, "path": kind,
+                             "backend": backend, "local_batch": local, "steps": len(secs),
+                             "params": sum(p.numel() for p in wl.model.parameters()),
+                             "p25_ms": ms[0], "median_ms": ms[1], "p75_ms": ms[2]})
             del steps  # DDP and the reducers hold hooks and buffers: free before the next
     finally:
         close_together(backends)
+    return rows if info.rank == 0 else []
 
 
 def close_together(backends: dict) -> None:
@@ -235,41 +217,42 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'workload':<16} {'ranks':>5}  {'path':<18} {'backend':<10} "
+    print(f"{'workload':<8} {'ranks':>5}  {'path':<18} {'backend':<10} "
           f"{'median ms':>9} {'p25-p75 ms':>15} {'÷ DDP':>6}")
     for r in rows:
         spread = f"{r['p25_ms']:.2f}-{r['p75_ms']:.2f}"
         ratio = f"{r['ratio_to_ddp']:.2f}" if r["ratio_to_ddp"] != "" else "-"
-        name = r["workload"] + ("" if r["data"] != "synthetic" else " (synth.)")
-        print(f"{name:<16} {r['ranks']:>5}  {r['path']:<18} {r['backend']:<10} "
+        print(f"{r['workload']:<8} {r['ranks']:>5}  {r['path']:<18} {r['backend']:<10} "
               f"{r['median_ms']:>9.2f} {spread:>15} {ratio:>6}")
+
+
+def report(rows: list[dict], out: str) -> None:
+    rows = with_ratios(rows)
+    print_table(rows)
+    print(f"wrote {write_csv(out, rows, FIELDS)}")
 
 
 def outer(args: argparse.Namespace, argv: list[str]) -> int:
     """Launch one MPI job per rank count, then print and write the table."""
-    from pcourse.launch import MPIJobError, mpirun
+    from pcourse.launch import MPIJobError, mpirun_rows
 
+    if "mnist" in args.workloads and (reason := mnist_missing()):
+        print(f"skip mnist: {reason}", flush=True)
+        args.workloads = [w for w in args.workloads if w != "mnist"]
+        if not args.workloads:
+            print("error: no workload can run here; no results written", file=sys.stderr)
+            return 1
+        argv = [*argv, "--workloads", *args.workloads]
     rows: list[dict] = []
     for ranks in args.ranks:
         try:
-            proc = mpirun(ranks, ["-m", "pcourse.stepbench", *argv, "--inner"],
-                          timeout=args.timeout, env={"OMP_NUM_THREADS": "1"})
+            found, _ = mpirun_rows(ranks, ["-m", "pcourse.stepbench", *argv, "--inner"],
+                                   timeout=args.timeout, env={"OMP_NUM_THREADS": "1"})
         except MPIJobError as exc:
             print(f"error: the step benchmark at {ranks} ranks failed: {exc}", file=sys.stderr)
             return 1
-        # raw_decode: stderr shares the pipe and may glue a warning onto a row's end
-        found = [json.JSONDecoder().raw_decode(ln[len(ROW_TAG):])[0]
-                 for ln in proc.stdout.splitlines()
-                 if ln.startswith(ROW_TAG)]
-        if not found:
-            print(f"error: no results at {ranks} ranks:\n{proc.stdout[-2000:]}", file=sys.stderr)
-            return 1
         rows += found
-    rows = with_ratios(rows)
-    print_table(rows)
-    if any(r["data"] == "synthetic" for r in rows):
-        print("note: MNIST files not found here; the VAE ran on MNIST-shaped random images")
-    print(f"wrote {write_csv(args.out, rows, FIELDS)}")
+    report(rows, args.out)
     return 0
 
 
@@ -280,8 +263,16 @@ def main(argv: list[str] | None = None) -> int:
         args.ranks, args.steps, args.rounds, args.warmup = [2], 3, 1, 1
     if min(args.ranks) < 1 or min(args.steps, args.rounds) < 1 or args.warmup < 0:
         parser().error("--ranks, --steps and --rounds must be at least 1, --warmup at least 0")
+    batch = workload_config("franke").batch_size
+    if "franke" in args.workloads and any(batch % r for r in args.ranks):
+        parser().error(f"--ranks: Franke's global batch of {batch} must split evenly over the "
+                       f"ranks; use rank counts that divide {batch} (1, 2, 4, 8, ...)")
     if args.inner or "PMI_SIZE" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ:
-        inner(args)
+        rows = inner(args)  # launched by outer, or by the user's own mpiexec
+        if rows and launched_by_mpirun_rows():
+            report_rows(rows)
+        elif rows:
+            report(rows, args.out)
         return 0
     return outer(args, argv)
 

@@ -31,6 +31,12 @@ def test_quick_run_writes_every_path(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert not list(tmp_path.glob(".steps.csv.*"))  # no temporary file left behind
 
 
-def test_bad_arguments_are_refused() -> None:
+@pytest.mark.parametrize("argv, says", [
+    (["--ranks", "0"], "at least 1"),
+    (["--ranks", "3"], "split evenly"),  # Franke's global batch of 256 over 3 ranks
+])
+def test_bad_arguments_are_refused(argv: list[str], says: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        stepbench.main(["--ranks", "0"])
+        stepbench.main(argv)
+    assert says in capsys.readouterr().err

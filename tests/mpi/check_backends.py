@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from pcourse.backends import Backend, BackendUnavailable, make_backend
 from pcourse.gpu_check import all_ranks_ok, check_allreduce, table
+from pcourse.torch_backend import _pick_port
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -110,7 +111,8 @@ def check_master_port() -> None:
     """MASTER_PORT honoured (twice on the same port), and a busy one a clear error."""
     import socket
 
-    port = WORLD.bcast(_free_port() if RANK == 0 else None)
+    os.environ.pop("MASTER_PORT", None)
+    port = WORLD.bcast(_pick_port() if RANK == 0 else None)  # a free one
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     for _ in range(2):
         b = make_backend("gloo")
@@ -155,14 +157,6 @@ def check_gpu_refusal() -> None:
 
     expect(raises(BackendUnavailable, local_gpu, WORLD, "nccl", match="one GPU per rank"),
            "local_gpu should refuse ranks without a GPU")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class _Broken(Backend):
