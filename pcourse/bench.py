@@ -139,22 +139,30 @@ def launch(args: argparse.Namespace, backend: str, ranks: int, save_model: Path 
 
 
 def run_all(args: argparse.Namespace, model_file: Path) -> list[dict]:
-    rows = []
-    plan = [(b, n) for b in args.backends for n in args.ranks]
-    for backend, ranks in plan:
+    """Every runnable configuration, ``args.repeats`` times.
+
+    Repeats are rounds over all configurations, not back-to-back runs of one: a
+    machine that slows down part-way then slows every configuration alike, and
+    the ratios between them stay honest.
+    """
+    plan = []
+    for backend, ranks in [(b, n) for b in args.backends for n in args.ranks]:
         reason = skip_reason(backend, ranks)
         if reason:
             print(f"skip {backend} at {ranks} rank(s): {reason}", flush=True)
-            continue
-        for repeat in range(args.repeats):
+        else:
+            plan.append((backend, ranks))
+    if not plan:
+        raise BenchError("no configuration can run on this machine (see the skip reasons)")
+    rows = []
+    for repeat in range(args.repeats):
+        for backend, ranks in plan:
             save = model_file if args.workload == "mnist" else None
             row = launch(args, backend, ranks, save)
             rows.append({**row, "repeat": repeat})
             print(f"{backend:>10} ×{ranks} run {repeat + 1}/{args.repeats}: "
                   f"train {row['train_time']:.2f} s, wall {row['wall_time']:.2f} s, "
                   f"loss {row['final_loss']:.4g}", flush=True)
-    if not rows:
-        raise BenchError("no configuration can run on this machine (see the skip reasons)")
     return rows
 
 

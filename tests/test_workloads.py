@@ -201,10 +201,10 @@ def serial_reference():
     return refs
 
 
-def _parallel_run(tmp_path, workload, config, backend, ranks):
-    out = tmp_path / f"{workload}-{backend}-{ranks}.pt"
+def _parallel_run(tmp_path, workload, config, backend, ranks, sync="auto"):
+    out = tmp_path / f"{workload}-{backend}-{ranks}-{sync}.pt"
     mpirun(ranks, [str(CHECK), workload, backend, str(out),
-                   json.dumps(dataclasses.asdict(config))], timeout=180)
+                   json.dumps(dataclasses.asdict(config)), sync], timeout=180)
     return torch.load(out)
 
 
@@ -220,6 +220,27 @@ def test_strong_scaling_matches_the_serial_run(tmp_path, serial_reference, backe
     for ranks in (1, 2, 4):
         got = _parallel_run(tmp_path, "franke", FRANKE, backend, ranks)
         _assert_same_run(got, serial_reference["franke"], f"franke {backend} ×{ranks}")
+
+
+@pytest.mark.parametrize("sync", ["flat", "per-parameter", "bucketed"])
+def test_every_gradient_sync_matches_the_serial_run(tmp_path, serial_reference, sync):
+    """"auto" picks one per backend (above); each can also be asked for by name."""
+    got = _parallel_run(tmp_path, "franke", FRANKE, "mpi", 2, sync)
+    _assert_same_run(got, serial_reference["franke"], f"franke mpi ×2, sync={sync}")
+
+
+def test_an_unknown_gradient_sync_is_refused():
+    from pcourse.backends import Backend
+    from pcourse.train import gradient_sync
+
+    class OneRank(Backend):
+        name, rank, size, device = "one", 0, 1, torch.device("cpu")
+        allreduce = broadcast = staticmethod(lambda tensor, *_: tensor)
+        barrier = staticmethod(lambda: None)
+
+    with pytest.raises(ValueError, match="unknown gradient sync 'sideways'"):
+        with gradient_sync(torch.nn.Linear(2, 1), OneRank(), "sideways"):
+            pass
 
 
 @needs_mnist
