@@ -234,14 +234,12 @@ def launch(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from pcourse.launch import MPIJobError, launched_by_mpirun_rows, report_rows
+    from pcourse.launch import MPIJobError, report_rows
 
     args = parse_args(argv)
     if args.inner or int(os.environ.get("PMI_SIZE", "1")) > 1 or _mpi_size() > 1:
         rows = run_inner(args)  # a rank of a job that `launch` or the user's mpiexec started
-        if rows and launched_by_mpirun_rows():
-            report_rows(rows)
-        elif rows:
+        if rows and not report_rows(rows):
             report(rows, args.out, args.plot)
         return 0
     try:

@@ -97,15 +97,17 @@ def mpirun_rows(
         return json.loads(path.read_text()), proc.stdout
 
 
-def launched_by_mpirun_rows() -> bool:
-    """True in a job that :func:`mpirun_rows` started (so results go back, not to print)."""
-    return ROWS_ENV in os.environ
+def report_rows(rows: list[dict[str, Any]]) -> bool:
+    """Hand ``rows`` to the :func:`mpirun_rows` that launched this job (call on one rank).
 
-
-def report_rows(rows: list[dict[str, Any]]) -> None:
-    """Hand ``rows`` to the :func:`mpirun_rows` that launched this job (call on one rank)."""
+    False, and nothing written, when no mpirun_rows launched it (the user's own
+    mpiexec): the caller then reports the rows itself.
+    """
+    if ROWS_ENV not in os.environ:
+        return False
     with atomic_write(os.environ[ROWS_ENV]) as f:
         json.dump(rows, f)
+    return True
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:

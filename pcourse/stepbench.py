@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from pcourse.io import write_csv
-from pcourse.launch import launched_by_mpirun_rows, report_rows
+from pcourse.launch import report_rows
 from pcourse.train import Workload
 
 FIELDS = ["workload", "ranks", "path", "backend", "local_batch", "params",
@@ -180,12 +180,13 @@ def inner(args: argparse.Namespace) -> list[dict]:
             batches = [torch.randint(0, wl.n_train, (local,), generator=gen).to(device)
                        for _ in range(16)]
             steps = {p: make_step(p, wl, batches, backends) for p in paths(main_backend)}
+            params = sum(p.numel() for p in wl.model.parameters())
             for path, secs in time_paths(steps, args, device).items():
                 kind, _, backend = path.partition("@")
                 ms = np.percentile(secs * 1e3, [25, 50, 75])
                 rows.append({"workload": workload, "ranks": info.size, "path": kind,
                              "backend": backend, "local_batch": local, "steps": len(secs),
-                             "params": sum(p.numel() for p in wl.model.parameters()),
+                             "params": params,
                              "p25_ms": ms[0], "median_ms": ms[1], "p75_ms": ms[2]})
             del steps  # DDP and the reducers hold hooks and buffers: free before the next
     finally:
@@ -269,9 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"ranks; use rank counts that divide {batch} (1, 2, 4, 8, ...)")
     if args.inner or "PMI_SIZE" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ:
         rows = inner(args)  # launched by outer, or by the user's own mpiexec
-        if rows and launched_by_mpirun_rows():
-            report_rows(rows)
-        elif rows:
+        if rows and not report_rows(rows):
             report(rows, args.out)
         return 0
     return outer(args, argv)

@@ -55,3 +55,13 @@ def test_the_deadline_kills_a_hung_job(tmp_path: Path) -> None:
 def test_zero_ranks_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         mpirun(0, [sys.executable])
+
+
+def test_outside_mpirun_rows_the_caller_reports_itself(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    from pcourse.launch import ROWS_ENV, report_rows
+
+    monkeypatch.delenv(ROWS_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert report_rows([{"a": 1}]) is False
+    assert not list(tmp_path.iterdir())  # nothing written anywhere
