@@ -44,15 +44,15 @@ $(GPU_STAMP): $(STAMP)
 
 # Both NCCL backends, one rank per visible GPU, checked against MPI's own Allreduce.
 gpu-check: $(GPU_STAMP)
-	$(RUN) $(PY) -m pcourse.gpu_check
+	$(RUN) $(PY) -m pcourse.checks.gpu_check
 
 clean-venv:
 	rm -rf $(VENV)
 
 # exercises/ is generated from solutions/ (the solved, executed notebooks).
 exercises: setup
-	$(RUN) $(PY) -m pcourse.exercises
+	$(RUN) $(PY) -m pcourse.grading.exercises
 
 # Grade every exercise (or: make grade NOTEBOOKS_TO_GRADE="exercises/01_partitioner.ipynb").
 grade: setup
-	$(RUN) $(PY) -m pcourse.grade $(NOTEBOOKS_TO_GRADE)
+	$(RUN) $(PY) -m pcourse.grading.grade $(NOTEBOOKS_TO_GRADE)

@@ -13,9 +13,9 @@ import psutil
 import pytest
 import torch
 
-from pcourse.averaging import Setup, average_parameters, select_ranks
-from pcourse.hogwild import HogwildError, hogwild
-from pcourse.launch import mpirun
+from pcourse.beyond_sgd.hogwild import HogwildError, hogwild
+from pcourse.beyond_sgd.weight_averaging import Setup, average_parameters, select_ranks
+from pcourse.cluster.launch import mpirun
 
 CHECK = Path(__file__).parent / "mpi" / "check_averaging.py"
 EXPECTED = {

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pcourse.backends import BACKENDS, BackendUnavailable, backend_status, make_backend
-from pcourse.launch import mpirun
+from pcourse.cluster.launch import mpirun
 
 REPO = Path(__file__).resolve().parents[1]
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")
@@ -36,8 +36,8 @@ def test_gpu_backends_say_why_they_cannot_run(name):
 
 @NO_GPU
 def test_direct_construction_also_refuses_without_a_gpu():
-    from pcourse.cupy_backend import CupyNCCLBackend  # importing needs neither CuPy nor CUDA
-    from pcourse.torch_backend import NCCLBackend
+    from pcourse.backends.cupy_nccl import CupyNCCLBackend  # importing needs neither CuPy nor CUDA
+    from pcourse.backends.torch_dist import NCCLBackend
 
     for cls in (NCCLBackend, CupyNCCLBackend):
         with pytest.raises(BackendUnavailable, match="cannot run here"):
@@ -58,7 +58,7 @@ def test_unknown_backend_is_a_value_error():
 
 
 def test_interface_address_reads_the_loopback():
-    from pcourse.torch_backend import interface_address
+    from pcourse.backends.torch_dist import interface_address
 
     assert interface_address("lo") == "127.0.0.1"
     assert interface_address("=lo") == "127.0.0.1"
@@ -67,7 +67,7 @@ def test_interface_address_reads_the_loopback():
 
 
 def test_address_choice_honours_the_environment(monkeypatch):
-    from pcourse.torch_backend import _pick_address
+    from pcourse.backends.torch_dist import _pick_address
 
     for var in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME"):
         monkeypatch.delenv(var, raising=False)
@@ -79,7 +79,7 @@ def test_address_choice_honours_the_environment(monkeypatch):
 
 
 def test_port_choice_is_free_and_a_busy_master_port_is_explained(monkeypatch):
-    from pcourse.torch_backend import _pick_port
+    from pcourse.backends.torch_dist import _pick_port
 
     monkeypatch.delenv("MASTER_PORT", raising=False)
     ports = {_pick_port() for _ in range(3)}
@@ -94,7 +94,7 @@ def test_port_choice_is_free_and_a_busy_master_port_is_explained(monkeypatch):
 
 @NO_GPU
 def test_gpu_check_skips_cleanly_without_a_gpu():
-    out = subprocess.run([sys.executable, "-m", "pcourse.gpu_check"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "pcourse.checks.gpu_check"], capture_output=True,
                          text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "SKIPPED: no CUDA device" in out.stdout

@@ -19,7 +19,7 @@ from torch import nn
 
 from pcourse.backends import Backend, Work
 from pcourse.buckets import BucketedAllreduce
-from pcourse.launch import mpirun
+from pcourse.cluster.launch import mpirun
 
 REPO = Path(__file__).resolve().parents[1]
 

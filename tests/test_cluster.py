@@ -7,8 +7,8 @@ import os
 import psutil
 import pytest
 
-from pcourse import cluster as cl
-from pcourse.cluster import ClusterError, start_cluster, stop_cluster
+from pcourse.cluster import ClusterError, launch, start_cluster, stop_cluster
+from pcourse.cluster import engines as cl
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -57,10 +57,10 @@ def test_bad_engine_count(n):
 
 
 def test_missing_mpiexec(monkeypatch, tmp_path):
-    monkeypatch.setattr(cl.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setattr(launch.sys, "executable", str(tmp_path / "python"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(ClusterError, match="pip install mpich"):
-        cl.find_mpiexec()
+    with pytest.raises(launch.MPINotFound, match="pip install mpich"):
+        launch.find_mpiexec()
 
 
 def test_engines_that_die_during_start_report_their_log():

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pcourse.cluster.launch import mpirun
 from pcourse.collectives import (
     cost_model,
     cost_terms,
@@ -15,7 +16,6 @@ from pcourse.collectives import (
     ring_allreduce,
     tree_allreduce,
 )
-from pcourse.launch import mpirun
 
 SCRIPT = Path(__file__).parent / "mpi" / "check_collectives.py"
 

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from pcourse.commbench import parse_args, sizes
-from pcourse.commreport import FIELDS, add_rates, fit_all, read_rows
+from pcourse.bench.comm import parse_args, sizes
+from pcourse.bench.commreport import FIELDS, add_rates, fit_all, read_rows
 
 FROM_SCRATCH = {"mpi", "mpi-pickle", "tree", "ring", "recursive-doubling"}
 
 
 def commbench(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    return subprocess.run([sys.executable, "-m", "pcourse.commbench", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "pcourse.bench.comm", *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

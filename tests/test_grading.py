@@ -16,8 +16,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from pcourse import exercises as ex
-from pcourse.grade import Grade, explain, grade, table
+from pcourse.grading import exercises as ex
+from pcourse.grading.grade import Grade, explain, grade, table
 
 REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS, EXERCISES = REPO / "solutions", REPO / "exercises"

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from pcourse.launch import MPIJobError, mpirun, mpirun_rows
+from pcourse.cluster.launch import MPIJobError, mpirun, mpirun_rows
 
 REPORTS = """
 from mpi4py import MPI
-from pcourse.launch import report_rows
+from pcourse.cluster.launch import report_rows
 comm = MPI.COMM_WORLD
 print("noise that is not a row", flush=True)
 sys.stderr.write("a warning on stderr, mid-line")  # shares the pipe with stdout
@@ -59,7 +59,7 @@ def test_zero_ranks_is_refused() -> None:
 
 def test_outside_mpirun_rows_the_caller_reports_itself(monkeypatch: pytest.MonkeyPatch,
                                                        tmp_path: Path) -> None:
-    from pcourse.launch import ROWS_ENV, report_rows
+    from pcourse.cluster.launch import ROWS_ENV, report_rows
 
     monkeypatch.delenv(ROWS_ENV, raising=False)
     monkeypatch.chdir(tmp_path)

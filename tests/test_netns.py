@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pcourse import netns
+from pcourse.cluster import netns
 
 REASON = netns.unavailable_reason()
 needs_netns = pytest.mark.skipif(bool(REASON), reason=f"network namespaces unavailable: {REASON}")

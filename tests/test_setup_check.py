@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pcourse import setup_check
 from pcourse.backends import BACKENDS, backend_status
+from pcourse.checks import setup_check
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def test_verdict_needs_mpi_and_gloo(capsys):
 
 
 def test_command_line_check_is_ready_here():
-    result = subprocess.run([sys.executable, "-m", "pcourse.setup_check", "-n", "2"],
+    result = subprocess.run([sys.executable, "-m", "pcourse.checks.setup_check", "-n", "2"],
                             capture_output=True, text=True, timeout=300)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pcourse import stepbench
+from pcourse.bench import steps as stepbench
 
 
 def test_quick_run_writes_every_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

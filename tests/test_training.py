@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from pcourse.backends import Backend
-from pcourse.launch import mpirun
-from pcourse.training import (
+from pcourse.cluster.launch import mpirun
+from pcourse.data_parallel import (
     ConsistencyReport,
     average_gradients,
     broadcast_parameters,

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from pcourse import bench, mnist
-from pcourse.franke import DOMAIN, FrankeConfig, franke, make_data
-from pcourse.launch import mpirun
-from pcourse.train import batch_sizes, local_batches, train
-from pcourse.vae import (
+from pcourse.bench import scaling as bench
+from pcourse.cluster.launch import mpirun
+from pcourse.loop import batch_sizes, local_batches, train
+from pcourse.workloads import mnist
+from pcourse.workloads.franke import DOMAIN, FrankeConfig, franke, make_data
+from pcourse.workloads.vae import (
     VAE,
     MNISTConfig,
     latent_walk_figure,
@@ -231,7 +232,7 @@ def test_every_gradient_sync_matches_the_serial_run(tmp_path, serial_reference, 
 
 def test_an_unknown_gradient_sync_is_refused():
     from pcourse.backends import Backend
-    from pcourse.train import gradient_sync
+    from pcourse.loop import gradient_sync
 
     class OneRank(Backend):
         name, rank, size, device = "one", 0, 1, torch.device("cpu")

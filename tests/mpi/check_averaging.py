@@ -12,9 +12,9 @@ import sys
 import torch
 from torch import nn
 
-from pcourse.averaging import Setup, select_ranks, serial_reference, train
 from pcourse.backends import make_backend
-from pcourse.syncbn import SyncBatchNorm1d
+from pcourse.beyond_sgd.syncbn import SyncBatchNorm1d
+from pcourse.beyond_sgd.weight_averaging import Setup, select_ranks, serial_reference, train
 
 torch.set_num_threads(1)
 backend = make_backend(sys.argv[1] if len(sys.argv) > 1 else "mpi")

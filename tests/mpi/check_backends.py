@@ -17,8 +17,8 @@ import torch
 from mpi4py import MPI
 
 from pcourse.backends import Backend, BackendUnavailable, make_backend
-from pcourse.gpu_check import all_ranks_ok, check_allreduce, table
-from pcourse.torch_backend import _pick_port
+from pcourse.backends.torch_dist import _pick_port
+from pcourse.checks.gpu_check import all_ranks_ok, check_allreduce, table
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -153,7 +153,7 @@ def check_gpu_refusal() -> None:
     """Without GPUs every rank refuses NCCL together (a collective decision)."""
     if torch.cuda.is_available():
         return
-    from pcourse.torch_backend import local_gpu
+    from pcourse.backends.torch_dist import local_gpu
 
     expect(raises(BackendUnavailable, local_gpu, WORLD, "nccl", match="one GPU per rank"),
            "local_gpu should refuse ranks without a GPU")

@@ -15,10 +15,10 @@ import sys
 import torch
 
 from pcourse.backends import make_backend
-from pcourse.franke import FrankeConfig
-from pcourse.rankinfo import init_rank
-from pcourse.train import train
-from pcourse.vae import MNISTConfig
+from pcourse.cluster.rankinfo import init_rank
+from pcourse.loop import train
+from pcourse.workloads.franke import FrankeConfig
+from pcourse.workloads.vae import MNISTConfig
 
 
 def main() -> None:

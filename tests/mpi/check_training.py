@@ -17,8 +17,8 @@ from mpi4py import MPI
 from torch import nn
 
 from pcourse.backends import Backend, make_backend
+from pcourse.data_parallel import average_gradients, broadcast_parameters, check_consistency
 from pcourse.partition import ParallelDataset, partition_indices
-from pcourse.training import average_gradients, broadcast_parameters, check_consistency
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()

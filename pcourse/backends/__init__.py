@@ -1,0 +1,148 @@
+"""One small allreduce interface, and the four real backends behind it.
+
+Data-parallel training needs very little from a communication library: know your
+rank, sum (or average) a tensor across ranks in place, broadcast a tensor from a
+root, wait at a barrier. Every backend here offers exactly that, so the training
+code, the benchmarks and the notebooks never care which one runs underneath.
+
+=============  =========================================  ===========
+name           what it is                                 devices
+=============  =========================================  ===========
+mpi            mpi4py ``Allreduce`` on the tensor memory   CPU (+GPU*)
+mpi-pickle     mpi4py ``allreduce``: the source's way       CPU, GPU
+gloo           torch.distributed, Gloo                      CPU
+nccl           torch.distributed, NCCL                      GPU
+nccl-cupy      CuPy's NCCL bindings                         GPU
+=============  =========================================  ===========
+
+(*) the buffer path stages GPU tensors through host memory unless MPI is CUDA-aware.
+
+Every backend is bootstrapped from MPI, whatever it uses to communicate: MPI
+gives rank and size, and rank 0 broadcasts what the others need (NCCL's unique id,
+or the address and a free port for torch.distributed's rendezvous).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from pcourse.backends.base import (  # noqa: F401 - the interface, re-exported
+    OPS,
+    Backend,
+    BackendUnavailable,
+    Work,
+    check_avg_dtype,
+    check_op,
+)
+
+BACKENDS = ("mpi", "mpi-pickle", "gloo", "nccl", "nccl-cupy")
+
+# name -> (module, class); imported lazily so `import pcourse.backends` never
+# touches CuPy, NCCL or CUDA.
+_IMPLEMENTATIONS = {
+    "mpi": ("pcourse.backends.mpi", "MPIBackend"),
+    "mpi-pickle": ("pcourse.backends.mpi", "MPIPickleBackend"),
+    "gloo": ("pcourse.backends.torch_dist", "GlooBackend"),
+    "nccl": ("pcourse.backends.torch_dist", "NCCLBackend"),
+    "nccl-cupy": ("pcourse.backends.cupy_nccl", "CupyNCCLBackend"),
+}
+
+
+def make_backend(name: str, **kwargs: object) -> Backend:
+    """Create the backend called ``name`` (see BACKENDS) on this MPI rank.
+
+    Raises BackendUnavailable, with the reason, where this machine cannot run it.
+    Creating a backend again in the same process (a re-run cell) is fine.
+    """
+    if name not in _IMPLEMENTATIONS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    reason = unavailable_reason(name)
+    if reason:
+        raise BackendUnavailable(f"backend {name!r} cannot run here: {reason}")
+    module, cls = _IMPLEMENTATIONS[name]
+    return getattr(importlib.import_module(module), cls)(**kwargs)
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    name: str
+    usable: bool
+    reason: str  # why not, or what it will run on
+
+
+def _cuda_reason() -> str:
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            return "torch is a CPU-only build (no CUDA)"
+        return "no CUDA device"
+    return ""
+
+
+def _cupy_nccl_reason() -> str:
+    if importlib.util.find_spec("cupy") is None:
+        return "cupy not installed (pip install -e '.[gpu]')"
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure makes it unusable
+        return f"cupy fails to import: {exc}"
+    try:
+        from cupy.cuda import nccl
+    except Exception:  # noqa: BLE001
+        return "NCCL library missing (pip install nvidia-nccl-cu12)"
+    if not getattr(nccl, "available", True):  # some CuPy builds import a stub
+        return "NCCL library missing (pip install nvidia-nccl-cu12)"
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device"
+    except Exception:  # noqa: BLE001 - CUDARuntimeError without a driver
+        return "no CUDA device"
+    return ""
+
+
+def unavailable_reason(name: str) -> str:
+    """Why this machine cannot run backend ``name``; empty when it can.
+
+    Local checks only (libraries, devices); no communication, so it is safe to
+    call from a notebook kernel that is not an MPI rank.
+    """
+    if name in ("mpi", "mpi-pickle"):
+        if importlib.util.find_spec("mpi4py") is None:
+            return "mpi4py not installed"
+        return ""
+    if name == "gloo":
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_gloo_available():
+            return "this torch build has no Gloo support"
+        return ""
+    if name == "nccl":
+        reason = _cuda_reason()
+        if reason:
+            return reason
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_nccl_available():
+            return "NCCL library missing from this torch build"
+        return ""
+    if name == "nccl-cupy":
+        return _cupy_nccl_reason()
+    raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def backend_status() -> list[BackendStatus]:
+    """Usable / not usable, with the reason, for every backend on this machine."""
+    rows = []
+    for name in BACKENDS:
+        reason = unavailable_reason(name)
+        if reason:
+            rows.append(BackendStatus(name, False, reason))
+        else:
+            on = "GPU" if name.startswith("nccl") else "CPU"
+            rows.append(BackendStatus(name, True, f"runs on {on}"))
+    return rows

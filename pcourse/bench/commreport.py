@@ -1,0 +1,174 @@
+"""Reading an allreduce benchmark: rates, tables, the alpha-beta fit, the plot.
+
+:mod:`pcourse.bench.comm` measures; this module turns its rows (or the CSV it wrote,
+via :func:`read_rows`) into what a learner compares: latency, algorithm and bus
+bandwidth side by side with the speed relative to MPI's native ``Allreduce``, and
+a log-log plot where the fitted alpha-beta model shows where latency ends and
+bandwidth begins.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pcourse import collectives
+from pcourse.utils.io import savefig_atomic
+
+MiB = 1 << 20
+HEADLINE_BYTES = 4 * MiB
+FIELDS = ["ranks", "method", "bytes", "iterations", "latency_us", "algbw_GBps",
+          "busbw_GBps", "speed_vs_mpi", "median_us"]
+Fits = dict[tuple[int, str], tuple[float, float]]
+
+
+def read_rows(path: str | os.PathLike[str]) -> list[dict]:
+    """The rows of a commbench CSV, with numbers as numbers."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        for key in ("ranks", "bytes", "iterations"):
+            r[key] = int(r[key])
+        for key in ("latency_us", "algbw_GBps", "busbw_GBps", "speed_vs_mpi", "median_us"):
+            r[key] = float(r[key])
+    return rows
+
+
+def add_rates(rows: list[dict]) -> list[dict]:
+    """Latency, algbw, busbw (nccl-tests definition) and speed relative to MPI native.
+
+    busbw = algbw · 2(p-1)/p is what each link must carry for the ring, the
+    bandwidth-optimal algorithm, so it can be compared with a link's speed and
+    across rank counts. Rows need ranks, method, bytes and seconds.
+    """
+    for r in rows:
+        r["latency_us"] = r["seconds"] * 1e6
+    native = {(r["ranks"], r["bytes"]): r["latency_us"] for r in rows if r["method"] == "mpi"}
+    for r in rows:
+        p, t = r["ranks"], r["seconds"]
+        r["algbw_GBps"] = r["bytes"] / t / 1e9
+        r["busbw_GBps"] = r["algbw_GBps"] * 2 * (p - 1) / p
+        ref = native.get((p, r["bytes"]))
+        r["speed_vs_mpi"] = ref / r["latency_us"] if ref else float("nan")
+    return rows
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("MiB", MiB), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def _line(label: str, cells: list[str], widths: list[int]) -> str:
+    return f"{label:>9}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True))
+
+
+def print_tables(rows: list[dict]) -> None:
+    """Per rank count: latency, busbw and speed vs MPI native, a column per method."""
+    for p in sorted({r["ranks"] for r in rows}):
+        mine = [r for r in rows if r["ranks"] == p]
+        methods = list(dict.fromkeys(r["method"] for r in mine))
+        cell = {(r["bytes"], r["method"]): r for r in mine}
+        widths = [max(10, len(m) + 2) for m in methods]
+        for title, key, fmt in [("latency [us]", "latency_us", "{:.1f}"),
+                                ("busbw [GB/s]", "busbw_GBps", "{:.3f}"),
+                                ("speed vs MPI native (t_mpi / t)", "speed_vs_mpi", "{:.2f}")]:
+            print(f"\n{p} ranks, float32 in-place allreduce: {title}")
+            print(_line("size", methods, widths))
+            for nbytes in sorted({r["bytes"] for r in mine}):
+                vals = [fmt.format(cell[nbytes, m][key]) if (nbytes, m) in cell else "-"
+                        for m in methods]
+                print(_line(_human(nbytes), vals, widths))
+
+
+def fit_all(rows: list[dict]) -> Fits:
+    """Fitted (a, b) of t = a + b·N for every (ranks, method)."""
+    fits = {}
+    for key in dict.fromkeys((r["ranks"], r["method"]) for r in rows):
+        mine = [r for r in rows if (r["ranks"], r["method"]) == key]
+        if len({r["bytes"] for r in mine}) >= 2:
+            fits[key] = collectives.fit_alpha_beta([r["bytes"] for r in mine],
+                                                   [r["latency_us"] * 1e-6 for r in mine])
+    return fits
+
+
+def print_fits(fits: Fits) -> None:
+    """alpha and beta per method; for the from-scratch ones also per link message."""
+    print("\nalpha-beta fit, t = alpha + beta * bytes (link: divided by the algorithm's "
+          "steps and volume)")
+    print(f"{'ranks':>5} {'method':>20} {'alpha [us]':>11} {'beta [ns/B]':>12} "
+          f"{'1/beta [GB/s]':>14} {'link alpha':>11} {'link 1/beta':>12}")
+    for (p, method), (a, b) in fits.items():
+        link = ""
+        if method in collectives.ALGORITHMS:
+            steps, volume = collectives.cost_terms(method, p)
+            link = f"{a / steps * 1e6:>11.2f} {volume / b / 1e9 if b > 0 else float('inf'):>12.3f}"
+        print(f"{p:>5} {method:>20} {a * 1e6:>11.2f} {b * 1e9:>12.4f} "
+              f"{1 / b / 1e9 if b > 0 else float('inf'):>14.3f} {link}")
+
+
+def headline(rows: list[dict]) -> None:
+    """The issue's two questions: is the ring near MPI for big messages; is pickle slow."""
+    print("\nheadline ratios")
+    for p in sorted({r["ranks"] for r in rows}):
+        by = {(r["method"], r["bytes"]): r for r in rows if r["ranks"] == p}
+        ring = [(n, r["speed_vs_mpi"]) for (m, n), r in sorted(by.items())
+                if m == "ring" and n >= HEADLINE_BYTES]
+        if ring:
+            listed = ", ".join(f"{_human(n)} {v:.2f}" for n, v in ring)
+            print(f"  {p} ranks: ring busbw / MPI native busbw (>= 4 MiB; target >= 0.70): "
+                  f"{listed}; min {min(v for _, v in ring):.2f}")
+        pickle, buffer = by.get(("mpi-pickle", HEADLINE_BYTES)), by.get(("mpi", HEADLINE_BYTES))
+        if pickle and buffer:
+            print(f"  {p} ranks: pickle time / buffer time at 4 MiB (target >= 10): "
+                  f"{pickle['latency_us'] / buffer['latency_us']:.1f}x")
+        if not ring and not (pickle and buffer):
+            print(f"  {p} ranks: not measured (needs --max-bytes >= 4M with ring, mpi, "
+                  "mpi-pickle)")
+
+
+def plot(rows: list[dict], fits: Fits, path: str | os.PathLike[str] | None = None) -> Any:
+    """Log-log latency vs size per rank count, measured points and fitted model lines."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, any backend
+
+    ranks = sorted({r["ranks"] for r in rows})
+    fig = Figure(figsize=(6 * len(ranks), 4.5), layout="constrained")
+    axes = fig.subplots(1, len(ranks), squeeze=False)[0]
+    for ax, p in zip(axes, ranks, strict=True):
+        for i, method in enumerate(dict.fromkeys(r["method"] for r in rows if r["ranks"] == p)):
+            mine = [r for r in rows if (r["ranks"], r["method"]) == (p, method)]
+            n = np.array([r["bytes"] for r in mine], dtype=float)
+            ax.loglog(n, [r["latency_us"] for r in mine], "o", ms=3, color=f"C{i}",
+                      label=method)
+            if (p, method) in fits:
+                a, b = fits[p, method]
+                model = (a + b * n) * 1e6
+                ax.loglog(n[model > 0], model[model > 0], "-", lw=1, alpha=0.6, color=f"C{i}")
+        measured = [r["latency_us"] for r in rows if r["ranks"] == p]
+        ax.set_ylim(min(measured) / 2, max(measured) * 2)  # a zero-latency fit: no abyss
+        ax.set(title=f"{p} ranks (points: measured, lines: alpha-beta fit)",
+               xlabel="message size [bytes]", ylabel="latency [us]")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+    if path is not None:
+        savefig_atomic(fig, path, dpi=120)
+    return fig
+
+
+def report(rows: list[dict], out: Path, plot_path: Path) -> None:
+    """Everything a benchmark run prints and writes, from its measured rows."""
+    from pcourse.utils.io import write_csv
+
+    add_rates(rows)
+    print_tables(rows)
+    fits = fit_all(rows)
+    print_fits(fits)
+    headline(rows)
+    write_csv(out, rows, FIELDS)
+    plot(rows, fits, plot_path)
+    print(f"\nwrote {out} and {plot_path}")

@@ -1,0 +1,123 @@
+"""Hogwild: several processes update one model in shared memory, without locks.
+
+No messages at all: the model's tensors live in shared memory
+(``model.share_memory()``), every worker process computes gradients on its own
+batches and writes its SGD update straight into the shared weights. Updates race;
+a worker may read weights that another is halfway through writing. Hogwild's
+argument (Niu et al., 2011) is that for sparse or small updates these collisions
+are rare and cheap, so the speed of lock-free progress wins.
+
+This works only where the workers share memory: processes on one machine. Across
+machines (MPI, Gloo, NCCL) there is no shared address space, which is why the
+course's other methods send messages. Workers are started with ``spawn`` (a fresh
+interpreter: forking a process that holds OpenMP threads can deadlock), have a
+deadline, and are always joined or killed before the function returns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from pcourse.beyond_sgd.weight_averaging import (
+    Setup,
+    batch_indices,
+    make_problem,
+    new_model,
+    sgd_step,
+)
+from pcourse.cluster.rankinfo import threads
+
+JOIN_GRACE = 5.0  # seconds a terminated worker gets before it is killed
+
+
+class HogwildError(RuntimeError):
+    """A worker failed or missed the deadline; the message says which and how."""
+
+
+@dataclass
+class HogwildResult:
+    workers: int
+    updates: int  # SGD steps taken by all workers together
+    initial_loss: float  # test MSE
+    final_loss: float
+    seconds: float
+    worker_losses: torch.Tensor  # (workers, steps): each worker's training loss per step
+
+
+def _worker(w: int, workers: int, model: nn.Module, losses: torch.Tensor,
+            setup: Setup) -> None:
+    """One Hogwild worker: SGD on its own shard, writing into the shared weights."""
+    torch.set_num_threads(1)  # the workers themselves are the parallelism
+    x, y, _, _ = make_problem(setup)
+    for step in range(setup.steps):
+        idx = batch_indices(step, w, workers, setup)
+        # Gradients are private to this process; the update lands in shared memory, unlocked.
+        losses[w, step] = sgd_step(model, x[idx], y[idx], setup.lr)
+
+
+def _test_loss(model: nn.Module, setup: Setup) -> float:
+    _, _, x_test, y_test = make_problem(setup)
+    with torch.no_grad():
+        return nn.functional.mse_loss(model(x_test), y_test).item()
+
+
+def _stop(procs: list) -> None:
+    """Terminate, then kill, whatever is still running; reap everything."""
+    started = [p for p in procs if p.pid is not None]  # a failed start has nothing to reap
+    for p in started:
+        if p.is_alive():
+            p.terminate()
+    for p in started:
+        p.join(JOIN_GRACE)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def hogwild(workers: int, setup: Setup, timeout: float = 120.0) -> HogwildResult:
+    """Train one shared model with ``workers`` lock-free processes, ``setup.steps`` each."""
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    model = new_model(setup)
+    model.share_memory()
+    losses = torch.full((workers, setup.steps), float("nan")).share_memory_()
+    initial = _test_loss(model, setup)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(w, workers, model, losses, setup), daemon=True)
+             for w in range(workers)]
+    start = time.perf_counter()
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        late = [w for w, p in enumerate(procs) if p.is_alive()]
+        if late:
+            raise HogwildError(f"workers {late} did not finish within {timeout:.0f} s; "
+                               "they were stopped. Use fewer steps or a longer timeout.")
+    finally:
+        _stop(procs)
+    seconds = time.perf_counter() - start
+    failed = {w: p.exitcode for w, p in enumerate(procs) if p.exitcode != 0}
+    if failed:
+        raise HogwildError(f"workers exited with codes {failed} (worker: code); "
+                           "their tracebacks are on stderr above")
+    return HogwildResult(workers, workers * setup.steps, initial, _test_loss(model, setup),
+                         seconds, losses.clone())
+
+
+def serial(setup: Setup, steps: int) -> float:
+    """Test MSE after ``steps`` plain SGD steps in one process: Hogwild's reference."""
+    x, y, _, _ = make_problem(setup)
+    model = new_model(setup)
+    with threads(1):
+        for step in range(steps):
+            idx = batch_indices(step, 0, 1, setup)
+            sgd_step(model, x[idx], y[idx], setup.lr)
+    return _test_loss(model, setup)

@@ -1,0 +1,150 @@
+"""BatchNorm with local or synchronised batch statistics, and what the difference costs.
+
+BatchNorm normalises each feature with the mean and variance *of the batch*. In
+data-parallel training each rank sees only its own slice of the global batch, so
+a plain BatchNorm computes statistics over that slice: with 2 samples per rank,
+every normalised feature is -1 or +1, whatever the data. Averaging gradients does
+not repair this; the forward pass already differs from large-batch training, and
+the ranks' running statistics drift apart.
+
+``SyncBatchNorm1d`` computes the statistics of the *global* batch: one allreduce of
+[sum x, sum x², count] per layer in the forward pass, and (through autograd) one
+allreduce of their gradients in the backward pass, which is what
+``torch.nn.SyncBatchNorm`` does over NCCL. With ``backend=None`` the same layer uses
+local statistics, so an experiment that swaps the two changes nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pcourse.backends import Backend
+from pcourse.data_parallel import average_gradients
+
+
+class _AllreduceSum(torch.autograd.Function):
+    """Sum across ranks, differentiable: the gradient of a sum is the sum of gradients.
+
+    Each rank's loss depends on every rank's samples through the shared statistics,
+    so the backward pass must add up what every rank's loss says about them.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, backend: Backend) -> torch.Tensor:
+        ctx.backend = backend
+        return backend.allreduce(tensor.detach().clone(), "sum")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.backend.allreduce(grad.detach().clone().contiguous(), "sum"), None
+
+
+class SyncBatchNorm1d(nn.Module):
+    """BatchNorm over features of (batch, features) input; global statistics if ``backend``.
+
+    Matches ``nn.BatchNorm1d`` on the concatenation of all ranks' batches: biased
+    variance to normalise, unbiased variance in the running estimate. The variance
+    is E[x²] - E[x]², fine for activations of modest size (torch's SyncBatchNorm
+    combines per-rank means and variances instead, which is more robust).
+    """
+
+    def __init__(self, num_features: int, backend: Backend | None = None,
+                 eps: float = 1e-5, momentum: float = 0.1) -> None:
+        super().__init__()
+        self.backend, self.eps, self.momentum = backend, eps, momentum
+        self.weight = nn.Parameter(torch.ones(num_features))
+        self.bias = nn.Parameter(torch.zeros(num_features))
+        self.register_buffer("running_mean", torch.zeros(num_features))
+        self.register_buffer("running_var", torch.ones(num_features))
+
+    def batch_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Mean, biased variance and sample count of the (global, if synced) batch."""
+        c = x.shape[1]
+        stats = torch.cat([x.sum(0), (x * x).sum(0), x.new_tensor([x.shape[0]])])
+        if self.backend is not None:
+            stats = _AllreduceSum.apply(stats, self.backend)
+        count = stats[2 * c]
+        mean = stats[:c] / count
+        return mean, stats[c:2 * c] / count - mean * mean, count
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            mean, var, count = self.batch_stats(x)
+            if count < 2:
+                raise ValueError("BatchNorm needs at least 2 samples per (global) batch")
+            with torch.no_grad():
+                m = self.momentum
+                self.running_mean.mul_(1 - m).add_(m * mean)
+                self.running_var.mul_(1 - m).add_(m * var * count / (count - 1))
+        else:
+            mean, var = self.running_mean, self.running_var
+        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+def make_blobs(n: int, seed: int, dim: int = 16, classes: int = 4) -> tuple[torch.Tensor, ...]:
+    """Overlapping Gaussian classes with features on very different scales.
+
+    Uneven scales are what BatchNorm is for; the overlap keeps accuracy below 100 %
+    so that a worse method shows. Class means come from a fixed seed, the samples
+    from ``seed``, so training and test sets share their classes.
+    """
+    means = torch.randn(classes, dim, generator=torch.Generator().manual_seed(7)) * 1.2
+    scales = 10 ** torch.linspace(-1.5, 1.5, dim)
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(classes, (n,), generator=gen)
+    x = (means[labels] + torch.randn(n, dim, generator=gen)) * scales + 3.0
+    return x, labels
+
+
+def bn_model(backend: Backend | None, dim: int = 16, classes: int = 4, hidden: int = 64,
+             seed: int = 0) -> nn.Sequential:
+    """A small classifier with two BatchNorm layers, seeded identically on every rank."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(
+            nn.Linear(dim, hidden), SyncBatchNorm1d(hidden, backend), nn.ReLU(),
+            nn.Linear(hidden, hidden), SyncBatchNorm1d(hidden, backend), nn.ReLU(),
+            nn.Linear(hidden, classes),
+        )
+
+
+@dataclass
+class BNResult:
+    """One run of the BatchNorm experiment, as seen by one rank."""
+
+    sync: bool
+    batch: int  # per rank
+    test_accuracy: float  # this rank's model, eval mode (running statistics)
+    test_loss: float
+    stats_spread: float  # largest difference of running_var between ranks
+
+
+def bn_experiment(backend: Backend, batch: int, sync: bool, steps: int = 300,
+                  lr: float = 0.05, seed: int = 0) -> BNResult:
+    """Train the classifier with exact gradient averaging; BatchNorm local or synced.
+
+    Collective: call on every rank. Everything but the statistics is identical.
+    """
+    rank, size = backend.rank, backend.size
+    x, y = make_blobs(4096, seed)
+    x_test, y_test = make_blobs(2048, seed + 1)
+    model = bn_model(backend if sync else None, seed=seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    gen = torch.Generator().manual_seed(seed + 100)  # same draw on every rank
+    for _ in range(steps):
+        idx = torch.randint(len(x), (size * batch,), generator=gen)[rank::size]
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        average_gradients(model, backend, check=False)
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        logits = model(x_test)
+        acc = (logits.argmax(1) == y_test).double().mean().item()
+        loss = nn.functional.cross_entropy(logits, y_test).item()
+        var = torch.cat([m.running_var for m in model if isinstance(m, SyncBatchNorm1d)])
+        hi, lo = backend.allreduce(var.clone(), "max"), backend.allreduce(var.clone(), "min")
+    return BNResult(sync, batch, acc, loss, float((hi - lo).max()))

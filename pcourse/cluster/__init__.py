@@ -1,0 +1,26 @@
+"""Cluster plumbing: engines for notebooks, ``mpiexec`` jobs for tools, rank and device.
+
+``engines`` starts an MPI cluster of ipyparallel engines from a notebook;
+``launch`` runs a command under ``mpiexec`` with a deadline; ``rankinfo`` tells a
+process its rank and pins its device; ``netns`` stands up two "nodes" on one
+machine (lesson 09).
+
+``from pcourse.cluster import start_cluster, stop_cluster`` is what notebooks use.
+Those names load ipyparallel only when first asked for, so a rank that needs only
+``rankinfo`` or ``launch`` never pays for importing it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ENGINE_NAMES = ("ClusterError", "MPICluster", "start_cluster", "stop_cluster")
+__all__ = list(_ENGINE_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ENGINE_NAMES:
+        from pcourse.cluster import engines
+
+        return getattr(engines, name)
+    raise AttributeError(f"module 'pcourse.cluster' has no attribute {name!r}")

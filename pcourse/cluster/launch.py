@@ -1,0 +1,164 @@
+"""Run a Python module or script under ``mpiexec`` with a deadline, and reap it.
+
+Tests and benchmarks launch their own MPI jobs; a collective that never completes
+must end in a clear timeout, not a CI job that hangs. The job runs in its own
+process group so that the deadline kills mpiexec *and* every rank it started.
+
+Benchmarks relaunch themselves this way and need their results back: the job's
+rank 0 calls :func:`report_rows`, the launcher gets them from :func:`mpirun_rows`.
+They travel in a file, not in the output, which the ranks' prints and warnings share.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pcourse.utils.io import atomic_write
+
+ROWS_ENV = "PCOURSE_ROWS_FILE"  # where report_rows writes; set by mpirun_rows
+
+
+class MPINotFound(RuntimeError):
+    """No mpiexec to launch with; the message says how to get one."""
+
+
+def find_mpiexec() -> str:
+    """The mpiexec to launch engines with: the venv's own (pip's mpich) first."""
+    beside_python = Path(sys.executable).parent / "mpiexec"
+    if beside_python.exists():
+        return str(beside_python)
+    found = shutil.which("mpiexec")
+    if found:
+        return found
+    raise MPINotFound(
+        "mpiexec was not found next to this Python or on PATH. Install an MPI: "
+        "`pip install mpich` (the course's `make lab` does this in .venv), or load your "
+        "system's MPI module so that `mpiexec` is on PATH."
+    )
+
+
+def max_engines() -> int:
+    """Beyond this many engines a single machine only thrashes; refuse early."""
+    return max(8, 4 * (os.cpu_count() or 1), _gpu_count())
+
+
+def _gpu_count() -> int:
+    from pcourse.cluster.rankinfo import gpu_count  # imports torch: only when asked
+
+    return gpu_count()
+
+
+class MPIJobError(RuntimeError):
+    """An MPI job failed or timed out; the message carries its output tail."""
+
+
+def mpirun(
+    n: int,
+    args: Sequence[str],
+    *,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+    cwd: str | os.PathLike[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python *args`` on n MPI ranks; return its completed process (text output).
+
+    ``args`` follow the Python interpreter: ``["-m", "pcourse.bench.comm", ...]`` or
+    ``["path/to/script.py", ...]``.
+    """
+    if n < 1:
+        raise ValueError(f"n must be at least 1 rank, got {n}")
+    mpiexec = find_mpiexec()
+    full_env = dict(os.environ)
+    full_env["PATH"] = f"{Path(mpiexec).parent}{os.pathsep}{full_env.get('PATH', '')}"
+    full_env.update(env or {})
+    cmd = [mpiexec, "-n", str(n), sys.executable, *args]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        start_new_session=True,  # own process group: the deadline reaps every rank
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, _ = proc.communicate()
+        raise MPIJobError(
+            f"`{' '.join(cmd)}` did not finish within {timeout:.0f} s and was killed. "
+            f"Output tail:\n{_tail(out)}"
+        ) from None
+    finally:
+        kill_group(proc)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    if check and proc.returncode != 0:
+        raise MPIJobError(
+            f"`{' '.join(cmd)}` exited with code {proc.returncode}. Output tail:\n{_tail(out)}"
+        )
+    return result
+
+
+def mpirun_rows(
+    n: int, args: Sequence[str], *, timeout: float = 300.0, env: dict[str, str] | None = None
+) -> tuple[list[dict[str, Any]], str]:
+    """Run a job whose rank 0 calls :func:`report_rows`; return (its rows, its output).
+
+    MPIJobError if the job fails, times out or ends without reporting.
+    """
+    with tempfile.TemporaryDirectory(prefix="pcourse-rows.") as tmp:
+        path = Path(tmp) / "rows.json"
+        proc = mpirun(n, args, timeout=timeout, env={**(env or {}), ROWS_ENV: str(path)})
+        if not path.exists():
+            raise MPIJobError(f"`{' '.join(proc.args)}` finished but reported no results. "
+                              f"Output tail:\n{_tail(proc.stdout)}")
+        return json.loads(path.read_text()), proc.stdout
+
+
+def report_rows(rows: list[dict[str, Any]]) -> bool:
+    """Hand ``rows`` to the :func:`mpirun_rows` that launched this job (call on one rank).
+
+    False, and nothing written, when no mpirun_rows launched it (the user's own
+    mpiexec): the caller then reports the rows itself.
+    """
+    if ROWS_ENV not in os.environ:
+        return False
+    with atomic_write(os.environ[ROWS_ENV]) as f:
+        json.dump(rows, f)
+    return True
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:
+    """End a process started with ``start_new_session=True`` and everything it started.
+
+    With ``grace``, the group first gets SIGINT (pytest and Jupyter shut their kernels
+    and clusters down on it) and that many seconds to exit; then SIGKILL for what is left.
+    """
+    if proc.poll() is not None:
+        return
+    if grace > 0:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=grace)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _tail(text: str | None, lines: int = 40) -> str:
+    return "\n".join((text or "").strip().splitlines()[-lines:]) or "(no output)"

@@ -1,0 +1,222 @@
+"""The one training loop: notebooks, the benchmark and the tests all call :func:`train`.
+
+Each step, every rank: forward on its share of the global batch, loss, backward,
+average the gradients across ranks, optimiser step. Three details make this
+*exactly* the serial large-batch step, which the tests check at 1, 2 and 4 ranks:
+
+1. Every rank starts from rank 0's weights (broadcast), and every rank computes
+   the same seeded shuffle of the sample indices (:mod:`pcourse.partition`).
+2. A global batch is the same run of shuffled indices at any rank count: each
+   rank takes the partitioner's *strided* share (every size-th index, as torch's
+   DistributedSampler does) and cuts it into batches. The source's contiguous
+   segments would give the same *number* of updates, but different batches at
+   each rank count, so results could not be compared number for number.
+3. Each rank divides its summed loss by its share of the batch; the average of
+   the ranks' gradients is then the gradient of the mean over the global batch.
+
+Scaling modes: "strong" keeps the global batch fixed (``config.batch_size``), so
+every rank count makes the same updates and more ranks should mean less time;
+"weak" keeps the per-rank batch fixed, so the global batch grows with the ranks
+(the source's MNIST setting). Batches are sliced from tensors in memory: a
+DataLoader worker process per rank costs more than the work on 2-core machines.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm  # the text bar: works on engines and in CI without ipywidgets
+
+from pcourse.backends import Backend
+from pcourse.buckets import BucketedAllreduce
+from pcourse.cluster.rankinfo import threads
+from pcourse.data_parallel import (
+    average_gradients,
+    average_gradients_flat,
+    broadcast_parameters,
+    check_consistency,
+)
+from pcourse.partition import partition_indices
+from pcourse.workloads import Workload, default_config, make_workload
+
+
+@dataclass
+class TrainResult:
+    workload: str
+    backend: str
+    ranks: int
+    scaling: str
+    global_batch: int
+    local_batch: int
+    steps_per_epoch: int
+    losses: list[float]  # mean training loss of each epoch, over all ranks' samples
+    epoch_times: list[float]  # seconds, rank 0
+    total_time: float  # seconds: broadcast + epochs + consistency check
+    test_loss: float | None
+    max_deviation: float | None  # largest weight difference across ranks (None: serial)
+    model: nn.Module | None = field(default=None, repr=False)  # the trained model
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1] if self.losses else float("nan")
+
+    @property
+    def train_time(self) -> float:
+        return sum(self.epoch_times)
+
+    def summary(self) -> dict[str, Any]:
+        """Flat, JSON- and CSV-friendly view (no per-epoch lists)."""
+        skip = ("losses", "epoch_times", "model")
+        row = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        row.update(final_loss=self.final_loss, train_time=self.train_time, epochs=len(self.losses))
+        return row
+
+
+def batch_sizes(scaling: str, batch_size: int, size: int, n_train: int) -> tuple[int, int]:
+    """(per-rank batch, global batch) for a scaling mode; a clear error if it cannot work."""
+    if scaling == "strong":
+        if batch_size % size:
+            raise ValueError(
+                f"strong scaling splits the global batch of {batch_size} equally over "
+                f"{size} ranks; choose a batch size divisible by the number of ranks"
+            )
+        local, global_ = batch_size // size, batch_size
+    elif scaling == "weak":
+        local, global_ = batch_size, batch_size * size
+    else:
+        raise ValueError(f"unknown scaling {scaling!r}; use 'strong' or 'weak'")
+    if n_train < size:
+        raise ValueError(f"{size} ranks but only {n_train} training samples: use fewer ranks")
+    return local, global_
+
+
+def local_batches(n: int, rank: int, size: int, local_batch: int, seed: int, epoch: int):
+    """This rank's batches for one epoch: its strided share of the seeded shuffle, cut up.
+
+    With the strided layout, rank r's k-th batch is every size-th index of the k-th
+    run of ``size * local_batch`` shuffled indices, so the ranks' k-th batches
+    together are the serial run's k-th batch, whatever the rank count.
+    """
+    mine = partition_indices(n, rank, size, seed=seed, epoch=epoch, layout="strided")
+    return torch.split(mine, local_batch)
+
+
+@contextmanager
+def gradient_sync(model: nn.Module, backend: Backend | None,
+                  mode: str = "auto") -> Iterator[Callable[[], None] | None]:
+    """While training runs, ``sync()`` averages the gradients after each backward.
+
+    - "per-parameter": one allreduce per gradient, the source's way. "auto" keeps it
+      for ``mpi-pickle``: that backend *is* the source's way, kept for comparison.
+    - "flat": every gradient copied into one buffer, one allreduce (lesson 05).
+    - "bucketed": the gradients live in flat buckets (views, so no copies), one
+      allreduce per bucket (lesson 07's BucketedAllreduce); "auto" elsewhere. It
+      overlaps communication with backward only on GPUs: on CPUs both compete for
+      the same cores, and overlap measured no faster on 2 cores (Franke, 20 epochs,
+      2 ranks, MPI: 0.69 s bucketed with or without overlap, 0.75 s flat).
+    """
+    if backend is None:
+        yield None
+        return
+    if mode == "auto":
+        mode = "per-parameter" if backend.name == "mpi-pickle" else "bucketed"
+    if mode == "flat":
+        yield lambda: average_gradients_flat(model, backend)
+    elif mode == "per-parameter":
+        # The model was checked once by broadcast_parameters; no per-step fingerprint.
+        yield lambda: average_gradients(model, backend, check=False)
+    elif mode == "bucketed":
+        reducer = BucketedAllreduce(model, backend, overlap=backend.device.type == "cuda")
+        try:
+            yield reducer.finish
+        finally:
+            reducer.remove()  # the trained model keeps no hooks
+    else:
+        raise ValueError(f"unknown gradient sync {mode!r}; use 'auto', 'flat', "
+                         "'per-parameter' or 'bucketed'")
+
+
+def _epoch(wl: Workload, opt, backend, sync, batches, epoch: int, device) -> float:
+    """One pass over the data; returns the mean loss over all ranks' samples."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, samples)
+    for batch in batches:
+        idx = batch.to(device)
+        opt.zero_grad(set_to_none=False)
+        loss = wl.loss_sum(wl.model, idx, epoch)
+        (loss / len(idx)).backward()  # mean over my share; averaged over ranks below
+        if sync is not None:
+            sync()
+        opt.step()
+        total[0] += loss.detach()
+        total[1] += len(idx)
+    if backend is not None:
+        backend.allreduce(total, "sum")
+    return (total[0] / total[1]).item()
+
+
+def _fit(wl: Workload, backend, sync, opt, scheduler, config, rank, size, local, device,
+         progress: bool):
+    """All epochs; returns (per-epoch losses, per-epoch seconds, steps per epoch)."""
+    losses, times, steps = [], [], 0
+    bar = tqdm(range(config.epochs), desc=f"{wl.name} ×{size}", disable=not progress or rank != 0)
+    for epoch in bar:
+        t0 = time.perf_counter()
+        batches = local_batches(wl.n_train, rank, size, local, config.seed, epoch)
+        wl.model.train()
+        losses.append(_epoch(wl, opt, backend, sync, batches, epoch, device))
+        if scheduler is not None:
+            scheduler.step()
+        times.append(time.perf_counter() - t0)
+        steps = len(batches)
+        bar.set_postfix(loss=f"{losses[-1]:.4g}", s=f"{times[-1]:.2f}")
+    return losses, times, steps
+
+
+def train(
+    workload: str | Workload,
+    backend: Backend | None = None,
+    config: Any = None,
+    *,
+    progress: bool = True,
+    check: bool = True,
+    device: str | torch.device | None = None,
+    sync: str = "auto",
+) -> TrainResult:
+    """Train ``workload`` ("franke", "mnist" or a :class:`Workload`) data-parallel.
+
+    ``backend`` None is the serial, one-process reference. ``config`` is a
+    FrankeConfig / MNISTConfig (default: the workload's full configuration) and
+    must have ``epochs``, ``batch_size``, ``scaling`` and ``seed``. The progress
+    bar shows on rank 0 only; ``check`` compares the final weights across ranks;
+    ``sync`` chooses how gradients are averaged (see :func:`gradient_sync`).
+    """
+    rank, size = (backend.rank, backend.size) if backend is not None else (0, 1)
+    device = torch.device(device or (backend.device if backend is not None else "cpu"))
+    config = config if config is not None else default_config(workload)
+    wl = workload if isinstance(workload, Workload) else make_workload(workload, config, device)
+    local, global_ = batch_sizes(config.scaling, config.batch_size, size, wl.n_train)
+
+    # Setup, not training: torch's first optimiser imports torch._dynamo (about 1 s).
+    opt, scheduler = wl.make_optimizer(wl.model)
+    start = time.perf_counter()
+    if backend is not None:
+        broadcast_parameters(wl.model, backend, root=0)
+    with (gradient_sync(wl.model, backend, sync) as grad_sync,
+          threads(getattr(config, "threads", None))):
+        losses, times, steps = _fit(wl, backend, grad_sync, opt, scheduler, config, rank, size,
+                                    local, device, progress)
+    deviation = None
+    if check and backend is not None:
+        deviation = check_consistency(wl.model, backend).max_deviation
+    total = time.perf_counter() - start
+    wl.model.eval()
+    test = wl.evaluate(wl.model) if wl.evaluate else None
+    name = backend.name if backend is not None else "serial"
+    return TrainResult(wl.name, name, size, config.scaling, global_, local, steps,
+                       losses, times, total, test, deviation, wl.model)

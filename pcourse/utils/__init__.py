@@ -1,0 +1,1 @@
+"""Small helpers the lessons and tools share: atomic results files, showing source."""

@@ -1,0 +1,37 @@
+"""The source's two workloads, ready for the training loop (lessons 05 and 06).
+
+``franke``: a small regression net on Franke's function; ``mnist``: a fully
+connected variational auto-encoder on MNIST. :func:`make_workload` builds either
+by name; :class:`~pcourse.workloads.base.Workload` is what the loop needs of one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from pcourse.workloads.base import Workload
+
+__all__ = ["WORKLOADS", "Workload", "default_config", "make_workload"]
+
+# name -> module; imported on demand, so naming one workload never loads the other's data.
+WORKLOADS = {"franke": "pcourse.workloads.franke", "mnist": "pcourse.workloads.vae"}
+
+
+def default_config(name: str | Workload) -> Any:
+    if isinstance(name, Workload):
+        raise ValueError("pass a config (epochs, batch_size, scaling, seed) with a Workload")
+    return _module(name).FrankeConfig() if name == "franke" else _module(name).MNISTConfig()
+
+
+def make_workload(name: str, config: Any, device: torch.device | str = "cpu") -> Workload:
+    """Build the named workload ("franke" or "mnist") for ``config`` on ``device``."""
+    return _module(name).make_workload(config, str(device))
+
+
+def _module(name: str):
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    return importlib.import_module(WORKLOADS[name])

@@ -1,0 +1,29 @@
+"""What the training loop needs from a workload: a model, a sample count, a batch loss.
+
+Franke's regression (:mod:`pcourse.workloads.franke`) and the MNIST VAE
+(:mod:`pcourse.workloads.vae`) each build one; :func:`pcourse.loop.train` runs any.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+LossSum = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]  # (model, indices, epoch)
+MakeOptimizer = Callable[[nn.Module], tuple[torch.optim.Optimizer, Any]]
+
+
+@dataclass
+class Workload:
+    """What :func:`train` needs: a model, how many samples, and the summed loss of a batch."""
+
+    name: str
+    model: nn.Module
+    n_train: int
+    loss_sum: LossSum  # summed over the samples ``indices`` (not averaged)
+    make_optimizer: MakeOptimizer  # -> (optimizer, scheduler or None)
+    evaluate: Callable[[nn.Module], float] | None = None  # held-out loss

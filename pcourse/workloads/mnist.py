@@ -1,0 +1,175 @@
+"""MNIST from its IDX files, gzipped or raw, with checks that catch damaged files.
+
+Where the data lives, in order: the ``data_dir`` argument, the ``PCOURSE_MNIST_DIR``
+environment variable, ``~/.cache/pcourse/mnist``. Missing files are downloaded the
+ordinary way where a network is there (``PCOURSE_MNIST_DOWNLOAD=0`` forbids it, for
+offline CI); where not, the error names the files, the folder and how to fix it.
+A truncated or foreign file is refused with a clear error rather than turned into
+a few thousand silently wrong images.
+
+Quick mode uses the 10,000-image test split (``../shared/data/mnist`` holds it for
+machines without a network); full mode the 60,000-image training split.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import struct
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pcourse.utils.io import atomic_write
+
+ENV_VAR = "PCOURSE_MNIST_DIR"
+DOWNLOAD_VAR = "PCOURSE_MNIST_DOWNLOAD"  # "0": never try the network
+DEFAULT_DIR = Path.home() / ".cache" / "pcourse" / "mnist"
+# The usual mirrors (torchvision's list); the original site now often refuses robots.
+MIRRORS = (
+    "https://ossci-datasets.s3.amazonaws.com/mnist/",
+    "https://yann.lecun.com/exdb/mnist/",
+)
+FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+COUNTS = {"train": 60_000, "test": 10_000}
+IMAGE_MAGIC, LABEL_MAGIC = 2051, 2049  # IDX: 0x0803 = uint8, 3 dims; 0x0801 = uint8, 1 dim
+
+
+class MNISTError(RuntimeError):
+    """The MNIST files are missing, damaged or cannot be downloaded; says what to do."""
+
+
+# Workshops and CI without a network keep a copy of the files in a `shared/data/mnist`
+# folder beside the course checkout; used when it exists and nothing else is named.
+OFFLINE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+
+
+def resolve_dir(path: str | os.PathLike[str] | None = None) -> Path:
+    """The folder MNIST is read from.
+
+    The argument, then $PCOURSE_MNIST_DIR, then the offline copy beside the
+    checkout if there is one, then the download cache (~/.cache/pcourse/mnist).
+    """
+    if path is not None:
+        return Path(path).expanduser()
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env).expanduser()
+    return OFFLINE_DIR if OFFLINE_DIR.is_dir() else DEFAULT_DIR
+
+
+def _find(folder: Path, name: str) -> Path | None:
+    for candidate in (folder / f"{name}.gz", folder / name):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as f:
+                return f.read()
+        return path.read_bytes()
+    except (EOFError, OSError, gzip.BadGzipFile) as exc:
+        raise MNISTError(
+            f"{path} cannot be read ({exc}); it is probably truncated or not gzip. "
+            "Delete it and download it again (or copy an intact file there)."
+        ) from exc
+
+
+def parse_idx(raw: bytes, magic: int, count: int, where: Path) -> np.ndarray:
+    """Check an IDX file's magic number and lengths; return its uint8 array."""
+    ndim = magic & 0xFF
+    if len(raw) < 4 + 4 * ndim:
+        raise MNISTError(f"{where} is too short ({len(raw)} bytes) to be an IDX file")
+    got_magic, *dims = struct.unpack(f">{1 + ndim}I", raw[: 4 + 4 * ndim])
+    if got_magic != magic:
+        raise MNISTError(f"{where}: magic number {got_magic}, expected {magic} (not this IDX file)")
+    if dims[0] != count:
+        raise MNISTError(f"{where}: header says {dims[0]} items, expected {count}")
+    body = raw[4 + 4 * ndim :]
+    expected = int(np.prod(dims))
+    if len(body) != expected:
+        raise MNISTError(
+            f"{where} is truncated or padded: {len(body)} data bytes, expected {expected}. "
+            "Delete it and download it again."
+        )
+    return np.frombuffer(body, dtype=np.uint8).reshape(dims)
+
+
+def download(
+    name: str, folder: Path, mirrors: tuple[str, ...] = MIRRORS, timeout: float = 30.0
+) -> Path:
+    """Fetch ``name``.gz from the first mirror that answers; write it atomically."""
+    errors = []
+    for base in mirrors:
+        url = f"{base}{name}.gz"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response:
+                payload = response.read()
+            gzip.decompress(payload)  # refuse an HTML error page or a cut-off download
+        except Exception as exc:  # noqa: BLE001 - any failure means: try the next mirror
+            errors.append(f"{url}: {exc}")
+            continue
+        target = folder / f"{name}.gz"
+        with atomic_write(target, "wb") as f:
+            f.write(payload)
+        return target
+    raise MNISTError("download failed:\n  " + "\n  ".join(errors))
+
+
+def _locate(name: str, folder: Path, allow_download: bool, **kw: object) -> Path:
+    found = _find(folder, name)
+    if found:
+        return found
+    how = (
+        f"Put {name}.gz (or {name}) in {folder}, or point ${ENV_VAR} (or data_dir=) at "
+        "a folder that has it; with a network, it is downloaded automatically."
+    )
+    if not allow_download:
+        raise MNISTError(f"MNIST file {name}(.gz) not found in {folder}. {how}")
+    try:
+        return download(name, folder, **kw)  # type: ignore[arg-type]
+    except (MNISTError, OSError) as exc:
+        raise MNISTError(
+            f"MNIST file {name}(.gz) not found in {folder} and could not be downloaded "
+            f"({exc}). {how}"
+        ) from exc
+
+
+def load_mnist(
+    split: str = "test",
+    data_dir: str | os.PathLike[str] | None = None,
+    *,
+    allow_download: bool | None = None,
+    limit: int | None = None,
+    **download_kw: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images as float32 (N, 784) in [0, 1] and labels as int64 (N,).
+
+    ``split`` is "test" (10,000 images) or "train" (60,000); ``limit`` keeps the
+    first ``limit`` images (quick runs). ``allow_download`` None follows
+    $PCOURSE_MNIST_DOWNLOAD (default: yes). ``download_kw``: ``mirrors``, ``timeout``.
+    """
+    if allow_download is None:
+        allow_download = os.environ.get(DOWNLOAD_VAR, "1") != "0"
+    if split not in FILES:
+        raise ValueError(f"unknown MNIST split {split!r}; use 'train' or 'test'")
+    folder = resolve_dir(data_dir)
+    img_name, lbl_name = FILES[split]
+    img_path = _locate(img_name, folder, allow_download, **download_kw)
+    lbl_path = _locate(lbl_name, folder, allow_download, **download_kw)
+    images = parse_idx(_read_bytes(img_path), IMAGE_MAGIC, COUNTS[split], img_path)
+    labels = parse_idx(_read_bytes(lbl_path), LABEL_MAGIC, COUNTS[split], lbl_path)
+    if images.shape[1:] != (28, 28):
+        raise MNISTError(f"{img_path}: images are {images.shape[1:]}, expected 28×28")
+    if limit is not None:
+        images, labels = images[:limit], labels[:limit]
+    x = torch.from_numpy(images.reshape(len(images), -1).astype(np.float32) / 255.0)
+    return x, torch.from_numpy(labels.astype(np.int64))
