@@ -36,7 +36,7 @@ import nbformat
 
 from pcourse.utils.io import atomic_write
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:"
 YOUR_CODE = "# YOUR CODE HERE"
 DEFAULT_HINT = "write this part, then run the check cells"

@@ -30,7 +30,7 @@ import nbformat
 
 from pcourse.cluster.launch import kill_group
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CELL_TIMEOUT = 300  # seconds per cell; the checks' own deadline is shorter (checks.RUN_TIMEOUT)
 NOTEBOOK_TIMEOUT = 600  # seconds per notebook, for the whole pytest run
 CHECK_TAG = "check"

@@ -46,7 +46,7 @@ class MNISTError(RuntimeError):
 
 # Workshops and CI without a network keep a copy of the files in a `shared/data/mnist`
 # folder beside the course checkout; used when it exists and nothing else is named.
-OFFLINE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+OFFLINE_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "mnist"
 
 
 def resolve_dir(path: str | os.PathLike[str] | None = None) -> Path:
