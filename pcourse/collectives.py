@@ -5,9 +5,19 @@ how fast it is. Here are the three classic algorithms, each a few lines of mpi4p
 ``Send``/``Recv``/``Sendrecv`` on numpy buffers, so a learner can read every message
 that crosses the wire, check the result against MPI's own ``Allreduce``, and time it.
 
+What the libraries really run: MPICH chooses by message size and rank count among
+recursive doubling (short messages), Rabenseifner's reduce-scatter + allgather (long
+ones), a ring, trees and node-aware variants (Thakur, Rabenseifner and Gropp, 2005;
+``MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM`` pins one). NCCL builds rings and trees
+(double binary trees) over the GPUs' links, and more on some hardware (CollNet,
+NVLS), and picks per size; Gloo offers ring, chunked ring, halving-doubling and
+BCube. The source's picture of MPI, reduce to a root along a tree and broadcast
+back, is the first of ours, and the simplest; no library uses it for large data.
+
 The alpha-beta model prices a message of N bytes at α + N·β (α: latency per
-message, β: seconds per byte). An algorithm's cost is then (steps)·α + (bytes each
-rank sends in turn)·β; :func:`cost_terms` gives both numbers for each algorithm,
+message, β: seconds per byte). An algorithm's time is then set by its *critical
+path*, the longest chain of messages that must follow one another: (steps on it)·α
++ (bytes on it)·β. :func:`cost_terms` gives both numbers for each algorithm,
 :func:`cost_model` the predicted time, :func:`fit_alpha_beta` α and β from timings.
 The time spent reducing (adding the numbers) is left out of the model: on one
 machine it is of the same order as copying, so it shows up inside the fitted β.
@@ -111,9 +121,10 @@ def tree_allreduce(x: Any, op: str = "sum", *, out: Any = None, comm: Any = None
     Step d = 1, 2, 4, ...: a rank whose lowest set bit is d sends everything it has
     summed so far to rank - d and is done; the receiver adds it in. After
     ceil(log2 p) steps rank 0 holds the result, and the broadcast replays the steps
-    backwards. Every step moves the whole message, so the cost is
-    2·ceil(log2 p)·(α + N·β): fine for small N, wasteful for large N because most
-    ranks sit idle while a few links carry everything.
+    backwards. Every step moves the whole message, and each waits for the one
+    before, so the critical path costs 2·ceil(log2 p)·(α + N·β). The load is uneven:
+    rank 0 receives and sends ceil(log2 p) whole messages, a leaf one of each, and
+    most ranks sit idle in most steps. Fine for small N, wasteful for large N.
     """
     buf, reduce, comm, result = _prepare(x, op, out, comm, check)
     rank, p = comm.rank, comm.size
@@ -148,9 +159,10 @@ def ring_allreduce(x: Any, op: str = "sum", *, out: Any = None, comm: Any = None
     The message is cut into p chunks. Reduce-scatter: in each of p-1 steps every rank
     sends one chunk to its right neighbour and adds the chunk arriving from its left;
     afterwards rank r owns the complete result for chunk r+1. Allgather: p-1 more
-    steps pass the finished chunks around. Every link is busy in every step, so the
-    cost is 2(p-1)·α + 2(p-1)/p·N·β: the bandwidth-optimal bound, paid for with
-    latency that grows with p. NCCL and Gloo use this for large messages.
+    steps pass the finished chunks around. Every link is busy in every step and every
+    rank sends the same, so the cost is 2(p-1)·α + 2(p-1)/p·N·β: the bandwidth-optimal
+    bound, paid for with latency that grows with p. NCCL's ring and Gloo's ring
+    allreduce are this algorithm (NCCL also has trees, and picks by size).
     """
     buf, reduce, comm, result = _prepare(x, op, out, comm, check)
     rank, p = comm.rank, comm.size
@@ -177,8 +189,9 @@ def recursive_doubling_allreduce(x: Any, op: str = "sum", *, out: Any = None,
     After the step with distance d every rank holds the reduction over its group of 2d
     ranks, so log2(p) steps suffice and nobody waits for a root: cost
     log2(p)·(α + N·β), half the tree's. It needs a power of two, so when p is not
-    one, the q = p - 2^k extra ranks first fold their data into a partner among the
-    first q ranks and get the result back at the end: two more steps.
+    one, the q = p - 2^k extra ranks (2^k = the largest power of two below p) first
+    fold their data into a partner among the first q ranks and get the result back
+    at the end: floor(log2 p) + 2 steps in all. MPICH uses this for short messages.
     """
     buf, reduce, comm, result = _prepare(x, op, out, comm, check)
     rank, p = comm.rank, comm.size
@@ -205,9 +218,12 @@ def recursive_doubling_allreduce(x: Any, op: str = "sum", *, out: Any = None,
 
 
 def cost_terms(method: str, p: int) -> tuple[float, float]:
-    """(messages in sequence, bytes sent per byte of data) for one allreduce on p ranks.
+    """(steps, volume) on the critical path of one allreduce of N bytes on p ranks.
 
-    The time is then steps·α + volume·N·β; for p = 1 nothing is sent.
+    steps: messages that must follow one another; volume: the bytes they carry, per
+    byte of data. The time is then steps·α + volume·N·β; for p = 1 nothing is sent.
+    tree: 2·ceil(log2 p) steps of N. ring: 2(p-1) steps of N/p. recursive doubling:
+    floor(log2 p) steps of N, plus 2 (fold in, hand back) when p is not a power of 2.
     """
     if method not in ALGORITHMS:
         raise ValueError(f"no cost model for {method!r}; use one of {', '.join(ALGORITHMS)}")

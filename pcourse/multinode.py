@@ -53,12 +53,15 @@ def mpi_engine_command(n: int, hostfile: str, mpiexec: str = "mpiexec") -> list[
 
 
 def slurm_engine_script(n: int, timelimit: str = "00:30:00", queue: str | None = None,
-                        account: str | None = None) -> str:
+                        account: str | None = None, mpi: bool = True) -> str:
     """The sbatch script ``ipp.Cluster(engines="slurm")`` would submit for n engines.
 
-    Written to a temporary folder and read back; nothing is submitted. The log path
-    holds this process's id and a temporary folder, replaced by placeholders so the
-    text is the same on every run.
+    ``mpi`` passes ``--mpi`` to every engine (``SlurmEngineSetLauncher.engine_args``),
+    as ``engines="mpi"`` does: each engine then initialises MPI, so the n tasks that
+    ``srun`` starts are the ranks of one MPI job and the course's backends bootstrap
+    as on one machine. Written to a temporary folder and read back; nothing is
+    submitted. The log path holds this process's id and a temporary folder,
+    replaced by placeholders so the text is the same on every run.
     """
     cluster = ipp.Cluster(engines="slurm", n=n, cluster_id="demo", log_level=logging.WARNING)
     cluster.config.SlurmLauncher.timelimit = timelimit
@@ -66,6 +69,8 @@ def slurm_engine_script(n: int, timelimit: str = "00:30:00", queue: str | None =
         cluster.config.SlurmLauncher.queue = queue
     if account:
         cluster.config.SlurmLauncher.account = account
+    if mpi:
+        cluster.config.SlurmEngineSetLauncher.engine_args = ["--mpi"]
     with tempfile.TemporaryDirectory() as tmp:
         launcher = _launcher(cluster, tmp)
         launcher.write_batch_script(n)

@@ -19,18 +19,20 @@ from pcourse.cluster.launch import mpirun
 
 CHECK = Path(__file__).parent / "mpi" / "check_averaging.py"
 EXPECTED = {
-    "local_k1_equals_serial_large_batch", "exact_equals_serial_large_batch",
+    "local_k1_equals_serial_large_batch", "momentum_local_k1_equals_serial_momentum",
+    "exact_equals_serial_large_batch",
     "local_k5_differs_from_serial", "fedavg_all_selected_equals_local",
     "fedavg_unselected_contribute_nothing", "syncbn_matches_full_batch",
-    "local_bn_differs_from_full_batch",
+    "local_bn_differs_from_full_batch", "syncbn_variance_is_stable_in_float32",
 }
 
 
-@pytest.mark.parametrize("backend", ["mpi", "gloo"])
-def test_mpi_checks_pass_on_two_ranks(backend):
-    out = mpirun(2, [str(CHECK), backend], timeout=240).stdout
+@pytest.mark.parametrize("backend, ranks", [("mpi", 2), ("gloo", 2), ("mpi", 3)])
+def test_mpi_checks_pass(backend, ranks):
+    out = mpirun(ranks, [str(CHECK), backend], timeout=240).stdout
+    expected = EXPECTED | ({"fedavg_round_averages_the_selected_ranks"} if ranks >= 3 else set())
     # stdout and stderr share the pipe: a warning can land right after an OK line
-    assert set(re.findall(r"^OK (\w+)", out, re.M)) == EXPECTED, out
+    assert set(re.findall(r"^OK (\w+)", out, re.M)) == expected, out
 
 
 def test_rank_selection_is_a_pure_function_of_seed_and_round():

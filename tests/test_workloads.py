@@ -23,7 +23,7 @@ from pcourse.bench import scaling as bench
 from pcourse.cluster.launch import mpirun
 from pcourse.loop import batch_sizes, local_batches, train
 from pcourse.workloads import mnist
-from pcourse.workloads.franke import DOMAIN, FrankeConfig, franke, make_data
+from pcourse.workloads.franke import DOMAIN, FrankeConfig, franke, franke_as_in_source, make_data
 from pcourse.workloads.vae import (
     VAE,
     MNISTConfig,
@@ -70,6 +70,19 @@ def test_franke_closed_form():
         assert value.item() == pytest.approx(franke_scalar(x, y), rel=1e-12)
     assert got[0].item() == pytest.approx(0.75 * math.exp(-2) + 0.75 * math.exp(-1 / 49 - 0.1),
                                           rel=1e-6)
+
+
+def test_the_source_variant_squares_only_the_second_terms_y():
+    """Equal where (9y+1)/10 == (9y+1)²/10, i.e. 9y+1 in {0, 1}; different elsewhere."""
+    x = torch.tensor([0.3, -0.5, 0.9], dtype=torch.float64)
+    for y_value, equal in [(-1 / 9, True), (0.0, True), (0.5, False), (-0.8, False)]:
+        y = torch.full_like(x, y_value)
+        same = torch.allclose(franke_as_in_source(x, y), franke(x, y), rtol=1e-12, atol=0)
+        assert same == equal, y_value
+    y = torch.full_like(x, 0.5)  # 9y+1 = 5.5: exp(-0.55) in the original, exp(-3.025) squared
+    diff = franke(x, y) - franke_as_in_source(x, y)
+    want = 0.75 * torch.exp(-((9 * x + 1) ** 2) / 49) * (math.exp(-0.55) - math.exp(-3.025))
+    assert torch.allclose(diff, want, rtol=1e-12)
 
 
 def test_franke_data_is_seeded_and_in_the_source_domain():

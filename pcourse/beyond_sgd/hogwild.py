@@ -4,8 +4,14 @@ No messages at all: the model's tensors live in shared memory
 (``model.share_memory()``), every worker process computes gradients on its own
 batches and writes its SGD update straight into the shared weights. Updates race;
 a worker may read weights that another is halfway through writing. Hogwild's
-argument (Niu et al., 2011) is that for sparse or small updates these collisions
-are rare and cheap, so the speed of lock-free progress wins.
+guarantee (Niu, Recht, Ré and Wright, 2011; the source's reference [3]) needs
+*sparse* updates: when each step touches only a few coordinates of a large
+weight vector (sparse SVM, matrix completion), two workers rarely write the same
+coordinate, collisions are rare, and lock-free SGD converges nearly as if the
+steps were serial. The size of a step is not the condition. A dense network, as
+here, violates it: every step writes every weight, so every pair of concurrent
+steps collides. It still trains on this small problem, but without the theory's
+promise; the lesson measures how close it comes to serial SGD.
 
 This works only where the workers share memory: processes on one machine. Across
 machines (MPI, Gloo, NCCL) there is no shared address space, which is why the

@@ -7,11 +7,22 @@ every normalised feature is -1 or +1, whatever the data. Averaging gradients doe
 not repair this; the forward pass already differs from large-batch training, and
 the ranks' running statistics drift apart.
 
-``SyncBatchNorm1d`` computes the statistics of the *global* batch: one allreduce of
-[sum x, sum x², count] per layer in the forward pass, and (through autograd) one
-allreduce of their gradients in the backward pass, which is what
-``torch.nn.SyncBatchNorm`` does over NCCL. With ``backend=None`` the same layer uses
-local statistics, so an experiment that swaps the two changes nothing else.
+``SyncBatchNorm1d`` computes the statistics of the *global* batch as
+``torch.nn.SyncBatchNorm`` does: every rank computes the mean, the variance and the
+count of its own slice, the ranks exchange these three (one allreduce that gathers
+every rank's row), and each rank combines them with the parallel-variance formula
+of Chan, Golub and LeVeque:
+
+    mean = Σ n_r m_r / N,        var = Σ n_r (v_r + (m_r - mean)²) / N.
+
+Every term is a sum of non-negative numbers near the size of the variance, so no
+precision is lost. The shortcut E[x²] - E[x]² (one allreduce of Σx, Σx², n) is
+exact in real numbers but subtracts two numbers of the size of mean², which wipes
+out the variance when the mean is large against the spread (:func:`naive_stats`
+keeps it, to show what goes wrong). Through autograd the backward pass allreduces
+the gradients of the exchanged statistics, so each rank's gradient is that of the
+whole batch. With ``backend=None`` the same layer uses local statistics, so an
+experiment that swaps the two changes nothing else.
 """
 
 from __future__ import annotations
@@ -42,13 +53,57 @@ class _AllreduceSum(torch.autograd.Function):
         return ctx.backend.allreduce(grad.detach().clone().contiguous(), "sum"), None
 
 
+def gather_stats(count: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
+                 backend: Backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every rank's (count, mean, variance), stacked in rank order; differentiable.
+
+    An allgather built from one allreduce: each rank fills its own row of a zero
+    table and the sum is everybody's rows. The backward pass sums the gradients
+    the same way, so each rank receives what every rank's loss says about its row.
+    """
+    row = torch.cat([count.reshape(1), mean, var])
+    mine = torch.zeros(backend.size, 1, dtype=row.dtype, device=row.device)
+    mine[backend.rank] = 1.0
+    table = _AllreduceSum.apply(mine * row, backend)
+    c = mean.numel()
+    return table[:, 0], table[:, 1:c + 1], table[:, c + 1:]
+
+
+def combine_stats(counts: torch.Tensor, means: torch.Tensor, variances: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean, biased variance and count of the union of groups (Chan et al.'s formula).
+
+    ``counts`` (groups,), ``means`` and ``variances`` (groups, features), biased.
+    """
+    total = counts.sum()
+    w = (counts / total).unsqueeze(1)
+    mean = (w * means).sum(0)
+    var = (w * (variances + (means - mean) ** 2)).sum(0)
+    return mean, var, total
+
+
+def naive_stats(x: torch.Tensor, backend: Backend | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The shortcut: one allreduce of [Σx, Σx², n], variance E[x²] - E[x]².
+
+    Exact in real numbers, unstable in floating point when |mean| >> std: kept to
+    show the difference, not used by :class:`SyncBatchNorm1d`.
+    """
+    c = x.shape[1]
+    stats = torch.cat([x.sum(0), (x * x).sum(0), x.new_tensor([x.shape[0]])])
+    if backend is not None:
+        stats = _AllreduceSum.apply(stats, backend)
+    count = stats[2 * c]
+    mean = stats[:c] / count
+    return mean, stats[c:2 * c] / count - mean * mean, count
+
+
 class SyncBatchNorm1d(nn.Module):
     """BatchNorm over features of (batch, features) input; global statistics if ``backend``.
 
-    Matches ``nn.BatchNorm1d`` on the concatenation of all ranks' batches: biased
-    variance to normalise, unbiased variance in the running estimate. The variance
-    is E[x²] - E[x]², fine for activations of modest size (torch's SyncBatchNorm
-    combines per-rank means and variances instead, which is more robust).
+    Matches ``nn.BatchNorm1d`` on the concatenation of all ranks' batches, whatever
+    each rank's share: biased variance to normalise, unbiased variance in the
+    running estimate.
     """
 
     def __init__(self, num_features: int, backend: Backend | None = None,
@@ -62,13 +117,15 @@ class SyncBatchNorm1d(nn.Module):
 
     def batch_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Mean, biased variance and sample count of the (global, if synced) batch."""
-        c = x.shape[1]
-        stats = torch.cat([x.sum(0), (x * x).sum(0), x.new_tensor([x.shape[0]])])
-        if self.backend is not None:
-            stats = _AllreduceSum.apply(stats, self.backend)
-        count = stats[2 * c]
-        mean = stats[:c] / count
-        return mean, stats[c:2 * c] / count - mean * mean, count
+        count = x.new_tensor(float(x.shape[0]))
+        if x.shape[0]:
+            mean, var = x.mean(0), x.var(0, unbiased=False)
+        else:  # an empty slice adds nothing (its mean would be NaN)
+            mean = var = x.new_zeros(x.shape[1])
+        if self.backend is None:
+            return mean, var, count
+        counts, means, variances = gather_stats(count, mean, var, self.backend)
+        return combine_stats(counts, means, variances)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:

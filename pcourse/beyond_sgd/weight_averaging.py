@@ -4,21 +4,31 @@ Exact data-parallel SGD averages *gradients* after every backward pass: one
 model-sized allreduce per step, and every rank holds the same model at all times.
 The source mentions cheaper alternatives that average *parameters* instead:
 
-- **periodic parameter averaging** (local SGD): each rank takes ``k`` SGD steps on
-  its own shard, then the ranks average their weights. One allreduce per ``k`` steps.
-  With ``k = 1`` and plain SGD this *is* gradient averaging, because an SGD step is
-  linear in the gradient:  mean_r (w - lr g_r) = w - lr mean_r g_r.
-- **federated averaging**: each round only a random subset of ranks ("clients")
-  trains for ``k`` steps from the current model; the new model is the weighted
-  mean of the selected ranks' weights, and every rank receives it.
-- **averaging once at the end**: the cheapest, and the one that goes wrong. Ranks
-  that train apart drift into different solutions; the average of two good
-  solutions of a non-convex problem is usually not a solution. With independent
-  initialisations it is worse still: hidden units can be permuted without changing
+- **periodic parameter averaging** (local SGD; Povey, Zhang and Khudanpur, 2014,
+  the source's reference [1]): each rank takes ``k`` SGD steps on its own shard,
+  then the ranks average their weights. One allreduce per ``k`` steps. With ``k = 1``
+  this *is* gradient averaging, because an SGD step is linear in the gradient:
+  mean_r (w - lr g_r) = w - lr mean_r g_r. Momentum keeps it linear: each rank's
+  velocity is a linear function of its gradients, so the mean of the ranks'
+  velocities is the velocity of exact SGD, and the averaged weights are exact even
+  though the velocities themselves are never averaged. Adaptive optimisers (Adam)
+  divide by a running root mean square of *each rank's own* gradients, which is
+  not linear: there the average is not the exact step, and local-SGD variants
+  average or synchronise the optimiser state too.
+- **federated averaging** (McMahan et al., 2017, the source's [2]): each round only a
+  random subset of ranks ("clients") trains for ``k`` steps from the current model;
+  the new model is the weighted mean of the selected ranks' weights, and every
+  rank receives it.
+- **averaging once at the end**: the cheapest, and the one that can go wrong (the
+  source's warning, after Goodfellow, Vinyals and Saxe, 2014, its [4]). Ranks that
+  train apart may drift into different solutions, and the average of two good
+  solutions of a non-convex problem need not be one. With independent
+  initialisations the risk is larger: hidden units can be permuted without changing
   the function, so unit 3 of one model need not match unit 3 of the other.
 
 Everything runs on Franke's regression problem (``pcourse.workloads.franke``) with a small
-network and plain SGD, so the methods differ only in what they average and when.
+network and SGD written out by hand (optionally with momentum), so the methods differ
+only in what they average and when.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ class Setup:
     hidden: int = 32
     batch: int = 16  # per rank, per step
     lr: float = 0.05
+    momentum: float = 0.0  # heavy-ball momentum, as torch.optim.SGD (no dampening)
     steps: int = 2000
     eval_every: int = 50
     seed: int = 12345
@@ -155,13 +166,17 @@ class Run:
 
 
 def sgd_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float,
-             average: Callable[[nn.Module], None] | None = None) -> torch.Tensor:
-    """One step of plain SGD by hand; returns the batch's loss.
+             average: Callable[[nn.Module], None] | None = None,
+             velocity: list[torch.Tensor] | None = None, momentum: float = 0.0
+             ) -> torch.Tensor:
+    """One step of SGD by hand; returns the batch's loss.
 
-    No optimizer state, so averaging weights is all that differs between the methods
-    here. ``average`` runs between backward and the update ("exact" passes gradient
-    averaging). The update is in place: under Hogwild the weights live in shared
-    memory and several processes write them this way, with no lock.
+    ``average`` runs between backward and the update ("exact" passes gradient
+    averaging). With ``velocity`` (one zero-initialised tensor per parameter) the
+    step is heavy-ball momentum, v = momentum·v + g, w -= lr·v, as torch.optim.SGD
+    does it; the velocity is this rank's own and is never averaged. The update is
+    in place: under Hogwild the weights live in shared memory and several
+    processes write them this way, with no lock.
     """
     model.zero_grad(set_to_none=True)
     loss = nn.functional.mse_loss(model(x), y)
@@ -169,9 +184,17 @@ def sgd_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float,
     if average is not None:
         average(model)
     with torch.no_grad():
-        for p in model.parameters():
-            p -= lr * p.grad
+        for i, p in enumerate(model.parameters()):
+            step = p.grad
+            if velocity is not None:
+                step = velocity[i].mul_(momentum).add_(p.grad)
+            p -= lr * step
     return loss.detach()
+
+
+def new_velocity(model: nn.Module, setup: Setup) -> list[torch.Tensor] | None:
+    """Zero momentum buffers for ``model``, or None for plain SGD."""
+    return [torch.zeros_like(p) for p in model.parameters()] if setup.momentum else None
 
 
 @torch.no_grad()
@@ -206,17 +229,17 @@ def train(
     rank, size = backend.rank, backend.size
     x, y, x_test, y_test = make_problem(setup)
     model = new_model(setup, rank if independent_init else 0)
+    velocity = new_velocity(model, setup)
     run = Run(method, k)
     for step in range(setup.steps):
         active = method != "fedavg" or rank in select_ranks(size, fraction, setup.seed, step // k)
         if active:
             idx = batch_indices(step, rank, size, setup)
+            average = None
             if method == "exact":
                 average = functools.partial(average_gradients_flat, backend=backend)
-                sgd_step(model, x[idx], y[idx], setup.lr, average)
                 run.messages += 1
-            else:
-                sgd_step(model, x[idx], y[idx], setup.lr)
+            sgd_step(model, x[idx], y[idx], setup.lr, average, velocity, setup.momentum)
         if method in ("local", "fedavg") and (step + 1) % k == 0:
             average_parameters(model, backend, weight=1.0 if active else 0.0)
             run.messages += 1
@@ -236,14 +259,15 @@ def serial_reference(setup: Setup, size: int) -> torch.Tensor:
     """Large-batch SGD in one process, replaying all ``size`` ranks' batches as one.
 
     The mean loss over the concatenated batch has gradient mean_r g_r, exactly what
-    "exact" (and, for plain SGD, "local" with k = 1) computes in parallel.
+    "exact" (and "local" with k = 1, with or without momentum) computes in parallel.
     """
     x, y, _, _ = make_problem(setup)
     model = new_model(setup)
+    velocity = new_velocity(model, setup)
     with threads(1):
         for step in range(setup.steps):
             idx = torch.cat([batch_indices(step, r, size, setup) for r in range(size)])
-            sgd_step(model, x[idx], y[idx], setup.lr)
+            sgd_step(model, x[idx], y[idx], setup.lr, None, velocity, setup.momentum)
     return parameters_to_vector(model.parameters()).detach().clone()
 
 

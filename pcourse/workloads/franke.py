@@ -1,14 +1,24 @@
 """Franke's function: the source's small regression workload.
 
-Franke's function is a classic two-dimensional test surface (two Gaussian peaks, a
-ridge and a dip). The source fits it with a small fully connected network, and so do
-we, with the source's defaults, so the learner can reproduce its timings:
+Franke's function (R. Franke, "A critical comparison of some methods for
+interpolation of scattered data", Naval Postgraduate School, NPS-53-79-003, 1979)
+is a classic two-dimensional test surface: two Gaussian peaks, a ridge and a dip.
+The source (N. Geneva, "How to Train Neural Networks in Parallel (From Scratch)",
+code NickGeneva/blog-code, parallel-nn) fits it with a small fully connected
+network, and so do we, with the source's network, optimiser and data sizes:
 
     f(x, y) = 3/4 exp(-(9x-2)²/4 - (9y-2)²/4) + 3/4 exp(-(9x+1)²/49 - (9y+1)/10)
             + 1/2 exp(-(9x-7)²/4 - (9y-3)²/4) - 1/5 exp(-(9x-4)² - (9y-7)²)
 
-The function is usually drawn on [0, 1]²; the source samples x and y uniformly from
-[−1, 1]², and we follow the source (its peaks then sit in the upper-right quarter).
+One departure from the source, and one from Franke, both said in lesson 05:
+
+- The source's formula (blog and code) squares the (9y+1) of the second term,
+  (9y+1)²/10; Franke's original, and the page the source's code links to
+  (sfu.ca/~ssurjano/franke2d.html), divide (9y+1) by 10 unsquared. We use the
+  original; :func:`franke_as_in_source` is the source's variant, for comparison.
+- Franke drew the function on [0, 1]²; the source samples x and y uniformly from
+  [−1, 1]², and we follow the source (the peaks then sit in the upper-right quarter).
+
 Everything is seeded, so every rank builds the same data and the same initial
 network without communicating.
 """
@@ -27,9 +37,18 @@ DOMAIN = (-1.0, 1.0)  # the source's sampling interval for both x and y
 
 
 def franke(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Franke's function, elementwise (the standard four-term formula)."""
+    """Franke's function, elementwise: Franke's (1979) four-term formula."""
+    return _franke(x, y, (9 * y + 1) / 10)
+
+
+def franke_as_in_source(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The source's variant: the second term's (9y+1) squared, (9y+1)²/10."""
+    return _franke(x, y, (9 * y + 1) ** 2 / 10)
+
+
+def _franke(x: torch.Tensor, y: torch.Tensor, second_y: torch.Tensor) -> torch.Tensor:
     a = 0.75 * torch.exp(-((9 * x - 2) ** 2) / 4 - ((9 * y - 2) ** 2) / 4)
-    b = 0.75 * torch.exp(-((9 * x + 1) ** 2) / 49 - (9 * y + 1) / 10)
+    b = 0.75 * torch.exp(-((9 * x + 1) ** 2) / 49 - second_y)
     c = 0.5 * torch.exp(-((9 * x - 7) ** 2) / 4 - ((9 * y - 3) ** 2) / 4)
     d = 0.2 * torch.exp(-((9 * x - 4) ** 2) - (9 * y - 7) ** 2)
     return a + b + c - d
@@ -54,10 +73,9 @@ class FrankeConfig:
     seed: int = 12345
     scaling: str = "strong"
     dtype: str = "float32"  # "float64" makes rank-count comparisons tighter
-    # One torch thread per rank: 100×100 matrices are too small to split, and the
+    # One torch thread per rank: 100×100 matrices are too small to split, and an
     # extra thread only adds waits, which a busy machine turns into whole scheduler
-    # slices (20 epochs on a loaded 2-core box: 0.7 s with 1 thread, 4.6 s with 2;
-    # equal on an idle one). None keeps the rank's share that init_rank set.
+    # slices. None keeps the rank's share that init_rank set.
     threads: int | None = 1
 
     @classmethod
