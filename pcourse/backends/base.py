@@ -28,8 +28,8 @@ from pcourse.utils.agree import MismatchError, agree
 
 OPS = ("sum", "avg", "max", "min", "prod")
 
-__all__ = ["OPS", "Backend", "BackendUnavailable", "MismatchError", "Work", "check_avg_dtype",
-           "check_op"]
+__all__ = ["OPS", "AsyncBackend", "Backend", "BackendUnavailable", "MismatchError", "Work",
+           "check_avg_dtype", "check_op"]
 
 
 class BackendUnavailable(RuntimeError):
@@ -165,3 +165,17 @@ class Backend(ABC):
 
     def __repr__(self) -> str:
         return f"<{self.name} backend rank {self.rank}/{self.size} on {self.device}>"
+
+
+class AsyncBackend(Backend):
+    """A backend whose allreduce is non-blocking underneath: blocking = start, then wait."""
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", *,
+                  check: bool = True) -> torch.Tensor:
+        self.allreduce_async(tensor, op, check=check).wait()
+        return tensor
+
+    @abstractmethod
+    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum", *,
+                        check: bool = True) -> Work:
+        """Start an in-place allreduce; the result is valid after ``wait()``."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pcourse.backends.base import Backend, Work, private_comm
+from pcourse.backends.base import AsyncBackend, Backend, Work, private_comm
 
 
 def _default_device() -> torch.device:
@@ -66,7 +66,7 @@ class _MPICommBackend(Backend):
         self.comm = None
 
 
-class MPIBackend(_MPICommBackend):
+class MPIBackend(_MPICommBackend, AsyncBackend):
     """Uppercase ``Allreduce``/``Bcast`` directly on the tensor's memory.
 
     A contiguous CPU tensor is reduced where it lies (numpy shares its memory).
@@ -77,11 +77,6 @@ class MPIBackend(_MPICommBackend):
     """
 
     name = "mpi"
-
-    def allreduce(self, tensor: torch.Tensor, op: str = "sum", *,
-                  check: bool = True) -> torch.Tensor:
-        self.allreduce_async(tensor, op, check=check).wait()
-        return tensor
 
     def allreduce_async(self, tensor: torch.Tensor, op: str = "sum", *,
                         check: bool = True) -> Work:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from pcourse.backends.base import Backend, BackendUnavailable, Work, private_comm
+from pcourse.backends.base import AsyncBackend, BackendUnavailable, Work, private_comm
 from pcourse.cluster.rankinfo import gpu_for, launcher, mpi_local_rank, use_gpu
 
 DEFAULT_TIMEOUT = 120.0  # seconds per collective (and for the rendezvous)
@@ -58,7 +58,7 @@ _own_default = False
 _address = ""  # host:port of the default group's store, where the ranks met
 
 
-class _TorchBackend(Backend):
+class _TorchBackend(AsyncBackend):
     dist_backend: str  # "gloo" or "nccl"
     ifname_var: str  # the environment variable naming the socket interface
 
@@ -123,11 +123,6 @@ class _TorchBackend(Backend):
         if self.group is None:
             raise RuntimeError(f"this {self.name} backend was closed; create a new one")
         return self.group
-
-    def allreduce(self, tensor: torch.Tensor, op: str = "sum", *,
-                  check: bool = True) -> torch.Tensor:
-        self.allreduce_async(tensor, op, check=check).wait()
-        return tensor
 
     def allreduce_async(self, tensor: torch.Tensor, op: str = "sum", *,
                         check: bool = True) -> Work:
