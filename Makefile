@@ -1,11 +1,13 @@
-# The course's front door. `make lab` opens the course; `make test` runs every check.
-# Both create .venv on first use and re-install only when pyproject.toml changes.
+# The course's front door. `make lab` opens the course; `make test` runs every check,
+# `make test-fast` the quick ones (minutes: no notebooks, no long MPI jobs).
+# All create .venv on first use and re-install only when pyproject.toml changes.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(abspath $(VENV))/bin
 PY := $(BIN)/python
-# Named exactly so pip takes the CPU build already on disk here (and the usual CUDA
-# build on a GPU machine); the looser range in pyproject.toml is then already satisfied.
+# The torch the course is tested with. Named exactly, pip installs the small CPU build
+# on a machine without NVIDIA GPUs and the usual CUDA build on one with them; a loose
+# range could pull whatever is newest. pyproject.toml's range is then already satisfied.
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test
 STAMP := $(VENV)/.pcourse-installed
@@ -13,12 +15,12 @@ STAMP := $(VENV)/.pcourse-installed
 RUN := PATH="$(BIN):$$PATH"
 NOTEBOOKS ?= notebooks
 
-.PHONY: setup lab test lint gpu-check clean-venv exercises grade
+.PHONY: setup lab test test-fast lint gpu-check clean-venv exercises grade
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
-		{ echo "pcourse needs Python >= 3.10; run: make PYTHON=python3.11 ..."; exit 1; }
+	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "pcourse needs Python >= 3.11; run: make clean-venv, then make PYTHON=python3.11 ..."; exit 1; }
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
 	@touch $@
@@ -31,6 +33,10 @@ lab: setup
 
 test: setup
 	$(RUN) $(PY) -m pytest
+
+# Everything but the notebooks and the tests marked slow (see the markers in pyproject.toml).
+test-fast: setup
+	$(RUN) $(PY) -m pytest -m "not slow and not notebook"
 
 lint: setup
 	$(RUN) $(BIN)/ruff check pcourse tests

@@ -28,6 +28,8 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Complete
     return commbench("--quick", "--out", str(out)), out
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_quick_mode_writes_csv_and_plot(quick) -> None:
     done, out = quick
     assert done.returncode == 0, done.stdout + done.stderr
@@ -39,6 +41,8 @@ def test_quick_mode_writes_csv_and_plot(quick) -> None:
         assert heading in done.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_quick_rows_are_plausible(quick) -> None:
     _, out = quick
     rows = read_rows(out)
@@ -56,6 +60,8 @@ def test_quick_rows_are_plausible(quick) -> None:
     assert set(fit_all(rows)) == {(2, m) for m in {r["method"] for r in rows}}
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_unavailable_backends_are_skipped_with_a_reason(quick) -> None:
     done, out = quick
     methods = {r["method"] for r in read_rows(out)}
@@ -85,6 +91,7 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path: Path, bad, mess
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.mpi
 def test_a_job_out_of_time_leaves_no_partial_results(tmp_path: Path) -> None:
     out = tmp_path / "commbench.csv"
     done = commbench("--quick", "--timeout", "0.5", "--out", str(out), timeout=60)

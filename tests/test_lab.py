@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,6 +25,7 @@ def _get(url: str) -> int:
         return err.code
 
 
+@pytest.mark.slow
 def test_make_lab_serves_on_loopback_with_a_token(tmp_path):
     log = tmp_path / "lab.log"
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}

@@ -27,6 +27,7 @@ def _script(tmp_path: Path, body: str) -> str:
     return str(path)
 
 
+@pytest.mark.mpi
 def test_rows_come_back_from_rank_zero_whatever_else_is_printed(tmp_path: Path) -> None:
     rows, output = mpirun_rows(3, [_script(tmp_path, REPORTS)], timeout=60)
     assert rows == [{"rank": r, "size": 3} for r in range(3)]
@@ -34,12 +35,14 @@ def test_rows_come_back_from_rank_zero_whatever_else_is_printed(tmp_path: Path) 
     assert not list(tmp_path.glob(".*"))  # the rows file lives in its own temporary folder
 
 
+@pytest.mark.mpi
 def test_a_job_that_reports_nothing_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(MPIJobError, match="reported no results") as info:
         mpirun_rows(2, [_script(tmp_path, "print('forgot to report')")], timeout=60)
     assert "forgot to report" in str(info.value)  # the output tail says what happened
 
 
+@pytest.mark.mpi
 def test_a_failing_rank_is_an_error_with_its_output(tmp_path: Path) -> None:
     body = "from mpi4py import MPI\nif MPI.COMM_WORLD.rank == 1: raise SystemExit('rank 1 gave up')"
     with pytest.raises(MPIJobError, match="exited with code") as info:
@@ -47,6 +50,7 @@ def test_a_failing_rank_is_an_error_with_its_output(tmp_path: Path) -> None:
     assert "rank 1 gave up" in str(info.value)
 
 
+@pytest.mark.mpi
 def test_the_deadline_kills_a_hung_job(tmp_path: Path) -> None:
     with pytest.raises(MPIJobError, match="did not finish within 3 s"):
         mpirun(2, [_script(tmp_path, "time.sleep(600)")], timeout=3)

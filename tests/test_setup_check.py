@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pcourse.backends import BACKENDS, backend_status
 from pcourse.checks import setup_check
 
@@ -28,6 +30,8 @@ def test_verdict_needs_mpi_and_gloo(capsys):
     assert "NOT READY" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_command_line_check_is_ready_here():
     result = subprocess.run([sys.executable, "-m", "pcourse.checks.setup_check", "-n", "2"],
                             capture_output=True, text=True, timeout=300)
@@ -37,6 +41,8 @@ def test_command_line_check_is_ready_here():
     assert "allreduce over mpi         OK" in out and "allreduce over gloo        OK" in out
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_setup_notebook_passes_under_nbval_again():
     """The suite runs notebooks/ through nbval once; this is the second run in a row, so a
     first run that left state behind (a cluster, a file, a port) would fail here or there."""

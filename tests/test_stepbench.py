@@ -14,6 +14,8 @@ import pytest
 from pcourse.bench import steps as stepbench
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_quick_run_writes_every_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "steps.csv"
     assert stepbench.main(["--quick", "--out", str(out), "--timeout", "150"]) == 0

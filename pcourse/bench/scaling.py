@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pcourse.backends import BACKENDS, unavailable_reason
+from pcourse.cluster.rankinfo import launcher
 from pcourse.utils.io import savefig_atomic, write_csv
 
 CPU_BACKENDS = ["mpi", "mpi-pickle", "gloo"]
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.argv = argv  # what the inner runs repeat
     config = build_config(args)
-    if args.inner:
+    if launcher() == "mpi":  # a rank of the job that launch() started
         inner(args)
         return 0
     with tempfile.TemporaryDirectory(prefix="pcourse-bench-") as tmp:

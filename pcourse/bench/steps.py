@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 
 from pcourse.cluster.launch import report_rows
+from pcourse.cluster.rankinfo import launcher
 from pcourse.utils.io import write_csv
 from pcourse.workloads.base import Workload
 
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     if "franke" in args.workloads and any(batch % r for r in args.ranks):
         parser().error(f"--ranks: Franke's global batch of {batch} must split evenly over the "
                        f"ranks; use rank counts that divide {batch} (1, 2, 4, 8, ...)")
-    if args.inner or "PMI_SIZE" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ:
+    if launcher() == "mpi":
         rows = inner(args)  # launched by outer, or by the user's own mpiexec
         if rows and not report_rows(rows):
             report(rows, args.out)
