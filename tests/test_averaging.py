@@ -23,6 +23,7 @@ EXPECTED = {
     "local_k5_differs_from_serial", "fedavg_all_selected_equals_local",
     "fedavg_unselected_contribute_nothing", "syncbn_matches_full_batch",
     "local_bn_differs_from_full_batch", "syncbn_variance_is_stable_in_float32",
+    "different_models_refused",
 }
 
 

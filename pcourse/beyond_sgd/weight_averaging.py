@@ -45,7 +45,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from pcourse.backends import Backend
 from pcourse.cluster.rankinfo import threads
-from pcourse.data_parallel import average_gradients_flat
+from pcourse.data_parallel import average_gradients_flat, check_same_model
 from pcourse.partition import partition_indices
 from pcourse.workloads.franke import make_data, make_model
 
@@ -122,16 +122,18 @@ def _strips(setup: Setup, size: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def average_parameters(model: nn.Module, backend: Backend, weight: float = 1.0) -> float:
+def average_parameters(model: nn.Module, backend: Backend, weight: float = 1.0,
+                       check: bool = True) -> float:
     """Replace the weights by the ``weight``-weighted mean over ranks; return the total weight.
 
     One allreduce of [weight * w, weight]: the weights and their normaliser travel in
     the same message. A rank with weight 0 contributes nothing but still receives the
-    result, which is how federated averaging leaves out unselected ranks.
+    result, which is how federated averaging leaves out unselected ranks. ``check``:
+    the backend's check that every rank passed the same length (skip it once known).
     """
     vec = parameters_to_vector(model.parameters())
     buf = torch.cat([vec * weight, vec.new_tensor([weight])])
-    backend.allreduce(buf, "sum")
+    backend.allreduce(buf, "sum", check=check)
     total = float(buf[-1])
     if total <= 0:
         raise ValueError("no rank contributed a positive weight: select at least one rank")
@@ -202,7 +204,7 @@ def _measure(model: nn.Module, backend: Backend, x_test: torch.Tensor, y_test: t
     """Test loss of the ranks' averaged model and the mean of their own; touches no weights."""
     own = nn.functional.mse_loss(model(x_test), y_test)
     buf = torch.cat([parameters_to_vector(model.parameters()), own.reshape(1)])
-    backend.allreduce(buf, "avg")
+    backend.allreduce(buf, "avg", check=False)  # train() checked the model once
     probe = copy.deepcopy(model)
     vector_to_parameters(buf[:-1], probe.parameters())
     return nn.functional.mse_loss(probe(x_test), y_test).item(), buf[-1].item()
@@ -230,6 +232,8 @@ def train(
     x, y, x_test, y_test = make_problem(setup)
     model = new_model(setup, rank if independent_init else 0)
     velocity = new_velocity(model, setup)
+    # One check that every rank holds the same shapes; the collectives below skip theirs.
+    check_same_model(list(model.parameters()), backend, "model")
     run = Run(method, k)
     for step in range(setup.steps):
         active = method != "fedavg" or rank in select_ranks(size, fraction, setup.seed, step // k)
@@ -237,11 +241,11 @@ def train(
             idx = batch_indices(step, rank, size, setup)
             average = None
             if method == "exact":
-                average = functools.partial(average_gradients_flat, backend=backend)
+                average = functools.partial(average_gradients_flat, backend=backend, check=False)
                 run.messages += 1
             sgd_step(model, x[idx], y[idx], setup.lr, average, velocity, setup.momentum)
         if method in ("local", "fedavg") and (step + 1) % k == 0:
-            average_parameters(model, backend, weight=1.0 if active else 0.0)
+            average_parameters(model, backend, weight=1.0 if active else 0.0, check=False)
             run.messages += 1
         if (step + 1) % setup.eval_every == 0 or step + 1 == setup.steps:
             loss, own = _measure(model, backend, x_test, y_test)  # "once": before averaging
@@ -250,7 +254,7 @@ def train(
             run.own_loss.append(own)
     run.final = parameters_to_vector(model.parameters()).detach().clone()
     if method == "once":
-        average_parameters(model, backend)
+        average_parameters(model, backend, check=False)
         run.messages += 1
     return run
 

@@ -135,4 +135,14 @@ assert stable_err < 1e-3, f"rank {rank}: combined variance off by {stable_err:.3
 assert naive_err > 0.1, f"rank {rank}: E[x²]-E[x]² was expected to fail, off by {naive_err:.3g}"
 ok("syncbn_variance_is_stable_in_float32")
 
+# 8. train checks once that the ranks hold the same model, then skips per-call checks:
+#    a mismatch must still be an error on every rank, not a hang.
+try:
+    train("local", backend, Setup(**{**SETUP.__dict__, "hidden": 32 + rank, "steps": 2}), k=1)
+except ValueError as err:
+    assert "same model" in str(err), err
+else:
+    raise AssertionError(f"rank {rank}: different models were not refused")
+ok("different_models_refused")
+
 backend.close()
