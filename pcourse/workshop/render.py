@@ -106,9 +106,12 @@ def _machine(data: dict, mode: str) -> str:
     m = data.get(mode, {}).get("machine")
     if not m:
         return f"{mode} mode: not measured yet"
+    loads = [r["load"] for r in data[mode].get("runs", {}).values()]
+    busy = (f"; other work shared the machine (load average up to {max(loads):.1f} on "
+            f"{m['cores']} cores), so these times are high" if loads and max(loads) > m["cores"]
+            else "")
     return (f"{mode} mode measured on {m['cores']} cores, {m['memory_gib']} GiB, "
-            f"{m['gpus']} GPUs, torch {m['torch']}, on {m['date']} "
-            f"(load average {m['load_before']} before the run)")
+            f"{m['gpus']} GPUs, torch {m['torch']}, on {m['date']}{busy}")
 
 
 def _link(e: Entry) -> str:

@@ -53,6 +53,9 @@ class Timing:
     ranks: int  # most MPI ranks alive at once
     peak_mib: float  # peak summed resident memory of the kernel and its descendants
     status: str  # "ok", or what went wrong
+    load: float  # the machine's 1-minute load average when it ended: above the core count,
+    #              other work shared the machine and the time is inflated
+    left_running: list[str]  # processes that outlived the kernel (a lesson's bug), stopped
 
 
 def switch_to_full(nb: nbformat.NotebookNode) -> bool:
@@ -95,22 +98,32 @@ class _Sampler(threading.Thread):
         self._done.set()
         self.join()
 
-    def reap(self, grace: float = 10.0) -> list[str]:
-        """Kill what the notebook left running (engines of a kernel that died); say what."""
-        left, names = [], []
-        for p in self.seen.values():
+    def reap(self, grace: float = 5.0) -> list[str]:
+        """Stop what outlived the notebook's kernel by ``grace`` seconds; say what it was.
+
+        A kernel that died (or a notebook that forgot to stop its cluster) leaves engines
+        behind; processes that are merely exiting get the grace period first.
+        """
+        alive = [p for p in self.seen.values() if _running(p)]
+        _, alive = psutil.wait_procs(alive, timeout=grace)
+        names = []
+        for p in alive:
             try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    names.append(" ".join(p.cmdline()[:4]))
-                    left.append(p)
+                names.append(" ".join(p.cmdline()[:4]))
+                p.terminate()
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
-        for p in left:
-            p.terminate()
-        _, alive = psutil.wait_procs(left, timeout=grace)
-        for p in alive:
+        _, stuck = psutil.wait_procs(alive, timeout=grace)
+        for p in stuck:
             p.kill()
         return names
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
 
 
 def measure(path: Path, full: bool = False, cell_timeout: float = CELL_TIMEOUT) -> Timing:
@@ -136,10 +149,8 @@ def measure(path: Path, full: bool = False, cell_timeout: float = CELL_TIMEOUT) 
     finally:
         seconds = time.perf_counter() - start
         sampler.stop()
-        for name in sampler.reap():
-            print(f"\n  left running by the notebook, now stopped: {name}", end="")
-    return Timing(round(seconds, 1), sampler.peak_ranks,
-                  round(sampler.peak_bytes / 2**20), status)
+    return Timing(round(seconds, 1), sampler.peak_ranks, round(sampler.peak_bytes / 2**20),
+                  status, round(os.getloadavg()[0], 2), sampler.reap())
 
 
 def machine() -> dict[str, str | int | float]:
@@ -153,7 +164,6 @@ def machine() -> dict[str, str | int | float]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
-        "load_before": round(os.getloadavg()[0], 2),
     }
 
 
@@ -219,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             timing = measure(root / rel, args.full, args.cell_timeout)
             failed += timing.status != "ok"
             print(f"{timing.seconds:.0f} s, {timing.ranks} ranks, {timing.peak_mib:.0f} MiB, "
-                  f"{timing.status}", flush=True)
+                  f"load {timing.load}, {timing.status}", flush=True)
+            for name in timing.left_running:
+                print(f"  still running after the kernel exited, now stopped: {name}")
             block["runs"][str(rel)] = asdict(timing)
             save(data, root)  # after each notebook: an interrupted run keeps what it measured
         if failed:
