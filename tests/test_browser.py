@@ -75,8 +75,8 @@ def _api(base: str, token: str, path: str, method: str = "GET") -> object:
 
 
 @pytest.fixture(scope="module")
-def lab(browser_ready, tmp_path_factory) -> Iterator[tuple[str, str]]:
-    """`make lab` on a throwaway copy of the course; yields (the printed URL, base URL)."""
+def lab(browser_ready, tmp_path_factory) -> Iterator[str]:
+    """`make lab` on a throwaway copy of the course; yields the URL it printed."""
     tmp = tmp_path_factory.mktemp("lab")
     course = tmp / "course"
     for part in ("notebooks", "exercises", "solutions"):
@@ -104,7 +104,7 @@ def lab(browser_ready, tmp_path_factory) -> Iterator[tuple[str, str]]:
                 base, token, url = m.group(1), m.group(3), m.group(0)
             time.sleep(0.5)
         assert url, f"make lab printed no URL within {START_TIMEOUT} s:\n{log.read_text()}"
-        yield url, base
+        yield url
     finally:
         if base:  # kernels shut down cleanly stop their engines (the lessons' atexit)
             try:
@@ -135,11 +135,20 @@ def page(lab):
             browser.close()
 
 
-def _screenshot(page, name: str) -> Path:
+@pytest.fixture
+def say(capsys):
+    """Print a line in pytest's output even when the test passes (print alone is captured)."""
+    def line(text: str) -> None:
+        with capsys.disabled():
+            print(f"\n{text}")
+    return line
+
+
+def _screenshot(page, name: str, say) -> Path:
     ARTEFACTS.mkdir(parents=True, exist_ok=True)
     path = ARTEFACTS / f"{name}.png"
     page.screenshot(path=str(path))
-    print(f"screenshot: {path}")
+    say(f"screenshot: {path}")
     return path
 
 
@@ -152,10 +161,15 @@ def _menu(page, top: str, item: str) -> None:
 CURRENT = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook in front
 
 
-def _open_from_index(page, url: str, link_text: str, file_name: str) -> None:
-    """Go to the index (`make lab`'s landing page) and click a link, as a learner does."""
+def _land_on_index(page, url: str) -> None:
+    """Open the URL `make lab` printed: JupyterLab shows the course's index."""
     page.goto(url)
     page.locator(CURRENT).get_by_role("heading", name="The course, in order").wait_for()
+
+
+def _open_from_index(page, url: str, link_text: str, file_name: str) -> None:
+    """Click a link in the index, as a learner does; wait for the notebook's tab."""
+    _land_on_index(page, url)
     page.locator(f"{CURRENT} .jp-MarkdownOutput a", has_text=link_text).first.click()
     page.locator(".lm-TabBar-tab.lm-mod-current", has_text=file_name).first.wait_for()
 
@@ -171,11 +185,18 @@ def _outputs(page) -> list[str]:
 
 
 def _run_all_fresh(page) -> None:
-    """Clear every output (the shipped ones), then Run All Cells, through the menus."""
+    """Clear every output (the shipped ones), then Run All Cells, through the menus.
+
+    Returns once the first cell has started, so that waiting for the end cannot see
+    the quiet moment before the run as its end.
+    """
     _idle(page)  # the kernel has started
     _menu(page, "Edit", "Clear Outputs of All Cells")
+    started = page.locator(f"{CURRENT} .jp-InputPrompt", has_text=re.compile(r"\[(\d+|\*)\]"))
     assert not any(t.strip() for t in _outputs(page)), "outputs left after clearing"
+    assert not started.count(), "execution counts left after clearing"
     _menu(page, "Run", "Run All Cells")
+    started.first.wait_for(state="attached")
 
 
 def _wait_done(page, timeout_s: float = RUN_TIMEOUT) -> None:
@@ -188,23 +209,25 @@ def _wait_done(page, timeout_s: float = RUN_TIMEOUT) -> None:
     _idle(page)
 
 
-def test_setup_check_reads_ready_in_the_browser(lab, page):
-    url, _ = lab
+def test_setup_check_reads_ready_in_the_browser(lab, page, say):
+    url = lab
     start = time.monotonic()
+    _land_on_index(page, url)
+    _screenshot(page, "index", say)
     _open_from_index(page, url, "00 · Setup check", "00_setup_check.ipynb")
     _run_all_fresh(page)
     _wait_done(page)
     verdicts = [m.group(1) for text in _outputs(page) for m in _VERDICT.finditer(text)]
     page.locator(f"{CURRENT} .jp-OutputArea-output", has_text=_VERDICT).last \
         .scroll_into_view_if_needed()
-    _screenshot(page, "setup_check")
-    print(f"setup check through the browser: {time.monotonic() - start:.0f} s")
+    _screenshot(page, "setup_check", say)
+    say(f"setup check through the browser: {time.monotonic() - start:.0f} s")
     assert verdicts == ["READY"], f"the page says {verdicts}; outputs:\n" + "\n".join(
         _outputs(page))
 
 
-def test_unsolved_exercise_fails_its_checks_in_the_browser(lab, page):
-    url, _ = lab
+def test_unsolved_exercise_fails_its_checks_in_the_browser(lab, page, say):
+    url = lab
     start = time.monotonic()
     _open_from_index(page, url, "Exercise: partition the data", "01_partitioner.ipynb")
     _run_all_fresh(page)
@@ -214,9 +237,9 @@ def test_unsolved_exercise_fails_its_checks_in_the_browser(lab, page):
     if failed:
         page.locator(f"{CURRENT} .jp-OutputArea-output", has_text=failed[0][:40]).first \
             .scroll_into_view_if_needed()
-    _screenshot(page, "unsolved_exercise")
+    _screenshot(page, "unsolved_exercise", say)
     _menu(page, "Kernel", "Shut Down Kernel")  # its engines stop with it
-    print(f"unsolved exercise through the browser: {time.monotonic() - start:.0f} s")
+    say(f"unsolved exercise through the browser: {time.monotonic() - start:.0f} s")
     assert failed, "no check failed on the unsolved exercise; outputs:\n" + "\n".join(outputs)
     assert not any(re.search(r"\bPASS\b", t) for t in outputs), \
         "a check says PASS on an unsolved exercise:\n" + "\n".join(outputs)

@@ -235,26 +235,28 @@ BLOCKS = {"course-index": course_index, "lesson-needs": lesson_needs,
           "workshop-plans": workshop_plans, "troubleshooting": _troubleshooting}
 
 
-def _rendered(text: str, names: tuple[str, ...], data: dict, root: Path) -> str:
-    for name in names:
-        if begin(name) in text:
-            text = replace_block(text, name, BLOCKS[name](data, root))
-    return text
-
-
 def updated(data: dict, root: Path) -> dict[Path, str]:
-    """Each target file's text as it should be, from ``data``."""
+    """Each target file's text as it should be, from ``data``.
+
+    Every block of :data:`TARGETS` must be in its file: a lost marker is an error, not
+    a table that silently stops being updated.
+    """
     out = {}
     for rel, names in TARGETS.items():
         path = root / rel
-        if rel.endswith(".ipynb"):
-            nb = nbformat.read(path, as_version=4)
-            for cell in nb.cells:
-                if cell.cell_type == "markdown":
-                    cell.source = _rendered(cell.source, names, data, root)
-            out[path] = nbformat.writes(nb) + "\n"
-        else:
-            out[path] = _rendered(path.read_text(), names, data, root)
+        nb = nbformat.read(path, as_version=4) if rel.endswith(".ipynb") else None
+        parts = [c for c in nb.cells if c.cell_type == "markdown"] if nb else []
+        text = path.read_text()
+        for name in names:
+            body = BLOCKS[name](data, root)
+            if nb is None:
+                text = replace_block(text, name, body)
+                continue
+            cell = next((c for c in parts if begin(name) in c.source), None)
+            if cell is None:
+                raise ValueError(f"{rel}: no markdown cell with the markers of {name!r}")
+            cell.source = replace_block(cell.source, name, body)
+        out[path] = text if nb is None else nbformat.writes(nb) + "\n"
     return out
 
 

@@ -220,16 +220,16 @@ def main(argv: list[str] | None = None) -> int:
         block["machine"] = machine()
         failed = 0
         for rel in notebooks(root, args.only):
-            print(f"{mode:<5} {rel} ...", end=" ", flush=True)
             nb = nbformat.read(root / rel, as_version=4)
             if args.full and not switch_to_full(nb):
-                print("no FULL switch: same as quick mode")
+                print(f"{mode:<5} {rel}: no FULL switch, same as quick mode")
                 block["runs"].pop(str(rel), None)
                 continue
             timing = measure(root / rel, args.full, args.cell_timeout)
             failed += timing.status != "ok"
-            print(f"{timing.seconds:.0f} s, {timing.ranks} ranks, {timing.peak_mib:.0f} MiB, "
-                  f"load {timing.load}, {timing.status}", flush=True)
+            # one line, after the run: the kernel's own messages cannot split it
+            print(f"{mode:<5} {rel}: {timing.seconds:.0f} s, {timing.ranks} ranks, "
+                  f"{timing.peak_mib:.0f} MiB, load {timing.load}, {timing.status}", flush=True)
             for name in timing.left_running:
                 print(f"  still running after the kernel exited, now stopped: {name}")
             block["runs"][str(rel)] = asdict(timing)
