@@ -12,7 +12,9 @@ bottom with nbclient, in quick mode, and records per notebook:
 switched to ``True`` before it runs. Results go to ``docs/lesson_timings.json`` (merged:
 ``--only`` re-measures some notebooks and keeps the rest), and the tables in
 ``index.ipynb`` and ``INSTRUCTORS.md`` are rewritten from it in place (``--render`` does
-only that). Run it on a quiet machine: anything else running inflates the times.
+only that). Run it on a quiet machine: anything else running inflates the times (the
+load average at the end of each notebook is stored, and the tables say when it was
+above the core count).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from pcourse.workshop import render
 from pcourse.workshop.course import REPO, entries
 
 DATA = Path("docs") / "lesson_timings.json"
-MODES = ("quick", "full")
 CELL_TIMEOUT = 3600  # seconds; full mode trains for many minutes in one cell
 _FULL_FLAG = re.compile(r"^FULL\s*=\s*False\b", re.M)
 # Set by mpiexec (MPICH's Hydra, Open MPI) in every rank it starts, engines included.
@@ -115,7 +116,10 @@ class _Sampler(threading.Thread):
                 continue
         _, stuck = psutil.wait_procs(alive, timeout=grace)
         for p in stuck:
-            p.kill()
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                continue
         return names
 
 
@@ -158,7 +162,9 @@ def machine() -> dict[str, str | int | float]:
     import torch
 
     return {
-        "cores": os.cpu_count() or 0,
+        # the cores this process may run on: `taskset -c 0,1` measures "2 cores" anywhere
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+        else os.cpu_count() or 0,
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "python": platform.python_version(),
