@@ -13,9 +13,12 @@ EXTRAS ?= test
 STAMP := $(VENV)/.pcourse-installed
 # mpiexec and hydra_pmi_proxy come from the mpich wheel and live in the venv's bin/.
 RUN := PATH="$(BIN):$$PATH"
-NOTEBOOKS ?= notebooks
+# JupyterLab opens the whole course (lessons, exercises, solutions), landing on its index.
+LAB_ROOT ?= .
+LAB_INDEX ?= index.ipynb
 
-.PHONY: setup lab test test-fast lint gpu-check clean-venv exercises grade
+.PHONY: setup lab test test-fast lint gpu-check clean-venv exercises grade reset timings \
+	troubleshooting browser
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,8 +31,9 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 lab: setup
+	@$(PY) -m pcourse.workshop.reset --snapshot "$(abspath $(LAB_ROOT))"
 	$(RUN) $(BIN)/jupyter lab --ip=127.0.0.1 --no-browser --allow-root \
-		--ServerApp.root_dir="$(abspath $(NOTEBOOKS))"
+		--ServerApp.root_dir="$(abspath $(LAB_ROOT))" --LabApp.default_url="/lab/tree/$(LAB_INDEX)"
 
 test: setup
 	$(RUN) $(PY) -m pytest
@@ -48,6 +52,15 @@ $(GPU_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,gpu]"
 	@touch $@
 
+# Playwright for the end-to-end browser test (tests/test_browser.py). The browser is the
+# system's Chromium: `apt-get install chromium` (Debian/Ubuntu); .ci/run installs both.
+BROWSER_STAMP := $(VENV)/.pcourse-browser-installed
+$(BROWSER_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,browser]"
+	@touch $@
+
+browser: $(BROWSER_STAMP)
+
 # Both NCCL backends, one rank per visible GPU, checked against MPI's own Allreduce.
 gpu-check: $(GPU_STAMP)
 	$(RUN) $(PY) -m pcourse.checks.gpu_check
@@ -62,3 +75,19 @@ exercises: setup
 # Grade every exercise (or: make grade NOTEBOOKS_TO_GRADE="exercises/01_partitioner.ipynb").
 grade: setup
 	$(RUN) $(PY) -m pcourse.grading.grade $(NOTEBOOKS_TO_GRADE)
+
+# The instructor's kit (see INSTRUCTORS.md).
+# Put a notebook back as shipped, keeping the learner's version in backups/:
+#   make reset NB=notebooks/05_franke.ipynb
+reset: setup
+	@test -n "$(NB)" || { echo "usage: make reset NB=notebooks/05_franke.ipynb"; exit 2; }
+	$(RUN) $(PY) -m pcourse.workshop.reset $(NB)
+
+# Run every lesson and solution and rewrite the timing tables (index.ipynb, INSTRUCTORS.md).
+# On a quiet machine; TIMINGS_ARGS=--full for full mode, --only NAME... for some notebooks.
+timings: setup
+	$(RUN) $(PY) -m pcourse.workshop.timings $(TIMINGS_ARGS)
+
+# Regenerate the troubleshooting table in INSTRUCTORS.md from the setup check's reasons.
+troubleshooting: setup
+	$(RUN) $(PY) -m pcourse.workshop.troubleshooting
