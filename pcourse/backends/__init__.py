@@ -28,8 +28,6 @@ import importlib
 import importlib.util
 from dataclasses import dataclass
 
-import torch
-
 from pcourse.backends.base import (  # noqa: F401 - the interface, re-exported
     OPS,
     Backend,
@@ -75,6 +73,8 @@ class BackendStatus:
 
 
 def _cuda_reason() -> str:
+    import torch  # here, not at the top: a launcher lists the backends without loading torch
+
     if not torch.cuda.is_available():
         if torch.version.cuda is None:
             return "torch is a CPU-only build (no CUDA)"

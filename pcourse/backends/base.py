@@ -9,8 +9,10 @@ the benchmarks and the notebooks never care which library runs underneath.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: listing the backends loads no torch
+    import torch
 
 OPS = ("sum", "avg", "max", "min", "prod")
 
