@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,6 +144,7 @@ class RankGroups:
                 with threads(self.cores[p]):
                     result = fn(self.groups[p])
             except Exception as exc:  # noqa: BLE001 - reported to every rank below
+                traceback.print_exc()  # where it happened, for whoever debugs it
                 failure = f"{type(exc).__name__}: {exc}"
         wait_politely(self.comm)
         failures = [f for f in self.comm.allgather(failure) if f]
@@ -302,7 +304,12 @@ def rank_main(measure: Callable, spec: Any,
 
     progress = Progress(send if comm.rank == 0 else None)
     clock = time.perf_counter()
-    measure(comm, spec, progress)
+    try:
+        measure(comm, spec, progress)
+    except BenchError as exc:  # every rank raises it alike: say why, no traceback
+        if comm.rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        leave(MPI, 3)
     if comm.rank == 0:
         phases["measuring"] = time.perf_counter() - clock
         progress.outcome.phases = {**phases, "reported_at": time.time()}
@@ -312,17 +319,16 @@ def rank_main(measure: Callable, spec: Any,
     leave(MPI)
 
 
-def leave(MPI: Any) -> None:
+def leave(MPI: Any, code: int = 0) -> None:
     """End this rank now: flush, finalise MPI, exit without Python's orderly shutdown.
 
     Everything is written and handed over by now. Tearing down an interpreter that
-    holds torch (hundreds of thousands of objects, many modules) costs more than a
-    short run itself, and nothing would be saved by it.
+    holds torch (many modules, many objects) takes long and saves nothing here.
     """
     sys.stdout.flush()
     sys.stderr.flush()
     MPI.Finalize()
-    os._exit(0)
+    os._exit(code)
 
 
 def launch(module: str, argv: Sequence[str], ranks: int, *, timeout: float,
