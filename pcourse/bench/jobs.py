@@ -197,7 +197,13 @@ def cluster_size(view: Any, timeout: float = 60.0) -> int:
     A benchmark's collectives involve every rank of the engines' job, so a view
     of only some engines would leave the others out and hang.
     """
-    sizes = view.apply_async(_world_size).get(timeout=timeout)
+    from ipyparallel import error as ipp_error
+
+    try:
+        sizes = view.apply_async(_world_size).get(timeout=timeout)
+    except ipp_error.TimeoutError:
+        raise BenchError(f"the engines did not answer within {timeout:.0f} s: are they still "
+                         "busy with an interrupted cell? Wait, or restart the cluster") from None
     if len(set(sizes)) != 1 or sizes[0] != len(sizes):
         raise BenchError(f"the view drives {len(sizes)} engine(s) of an MPI job of "
                          f"{sizes[0]}: benchmark on a view of all engines (mc.view)")

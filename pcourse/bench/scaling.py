@@ -403,8 +403,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(args: argparse.Namespace, spec: ScalingSpec, outcome: Outcome) -> None:
-    """Write the CSV (first: nothing measured is lost), the plot and pictures; print
-    the summary table and where the time went."""
+    """Write the CSV (first: nothing measured is lost), the plot (with two rank counts
+    or more) and pictures; print the summary table and where the time went."""
     started = time.perf_counter()
     rows, scaling = outcome.rows, spec.config.scaling
     stem = Path(args.out) / f"{args.workload}_{scaling}"
@@ -413,8 +413,11 @@ def report(args: argparse.Namespace, spec: ScalingSpec, outcome: Outcome) -> Non
     print_table(table)
     title = f"{args.workload}, {scaling} scaling, {spec.config.epochs} epochs"
     try:
-        plot(table, title, stem.with_suffix(".png"))
-        written.append(stem.with_suffix(".png"))
+        if len({t["ranks"] for t in table}) > 1:
+            plot(table, title, stem.with_suffix(".png"))
+            written.append(stem.with_suffix(".png"))
+        else:  # a plot against ranks with one rank count has nothing to show
+            print("one rank count: no plot against ranks")
         if args.workload == "mnist" and spec.save_model:
             written += mnist_pictures(args.out, spec.config, spec.save_model)
     except (OSError, ValueError, RuntimeError) as exc:  # the CSV is safe; say what failed
