@@ -183,3 +183,7 @@ def test_oversubscribing_on_purpose_is_allowed(tmp_path, capsys, no_rank_may_sta
     assert no_rank_may_start == [n]
     assert "the benchmark job failed" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # no rows, no file
+
+
+def test_versus_source_needs_the_source(tmp_path, capsys) -> None:
+    _refused(capsys, ["versus-source", "--source", str(tmp_path)], "main_franke.py is not in")

@@ -353,7 +353,8 @@ def launch(module: str, argv: Sequence[str], ranks: int, *, timeout: float,
                                env=env, echo=print)
     except MPIJobError as exc:
         partial = Outcome(**exc.rows[0]) if exc.rows else Outcome()
-        raise BenchError(str(exc), partial.rows) from None
+        said = str(exc).split(" Output tail:")[0]  # the output itself was echoed as it came
+        raise BenchError(said, partial.rows) from None
     end = time.time()
     outcome = Outcome(**found[0])
     outcome.phases["exit: report, Python and MPI shutdown"] = end - outcome.phases.pop(
