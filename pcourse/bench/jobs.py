@@ -88,10 +88,11 @@ class Progress:
 def first_optimizer() -> None:
     """Create (and drop) one torch optimizer, so that every rank pays for the first one now.
 
-    A process's first torch.optim optimizer loads a large part of torch (torch 2.x
-    imports its compiler, torch._dynamo, on the way). Paid here by every rank at
-    once, it is not paid inside a run by a rank that sat out the runs before, while
-    the others wait for it, and the start-up breakdown shows it by name.
+    A process's first torch.optim optimizer makes torch import its compiler,
+    torch._dynamo (an optimizer step needs it too, so no process that trains with
+    torch.optim avoids it). Paid here by every rank at once, it is not paid inside
+    a run by a rank that sat out the runs before while the others wait for it, and
+    the start-up breakdown shows it by name.
     """
     import torch
 
