@@ -70,8 +70,9 @@ def test_ci_runs_the_readme_test_command():
 # import name -> distribution that provides it, for every third-party import we use
 DISTRIBUTIONS = {"torch": "torch", "numpy": "numpy", "mpi4py": "mpi4py", "ipyparallel":
                  "ipyparallel", "matplotlib": "matplotlib", "tqdm": "tqdm", "IPython": "ipython",
-                 "nbformat": "nbformat", "psutil": "psutil", "pytest": "pytest",
-                 "cupy": "cupy-cuda12x"}
+                 "nbformat": "nbformat", "nbclient": "nbclient", "psutil": "psutil",
+                 "pytest": "pytest",
+                 "cupy": "cupy-cuda12x", "playwright": "playwright"}
 
 
 def _imported_modules(folder: Path) -> set[str]:

@@ -8,6 +8,7 @@ single-process run.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import gzip
 import json
@@ -275,6 +276,7 @@ def _bench_fails(capsys, argv, match):
     (["franke", "--ranks", "1", "8", "--points", "4", "--batch-size", "8"], "fewer ranks"),
     (["franke", "--ranks", "3", "--quick"], "divisible"),
     (["franke", "--scaling", "diagonal"], "invalid choice"),
+    (["franke", "--ranks", "4096"], "--oversubscribe"),
 ])
 def test_bench_bad_input_writes_nothing(tmp_path, capsys, argv, match):
     _bench_fails(capsys, [*argv, "--out", str(tmp_path)], match)
@@ -305,11 +307,28 @@ def test_bench_franke_end_to_end(tmp_path, capsys):
     assert bench.main(argv) == 0
     text = capsys.readouterr().out
     nccl_runs = [r for r in (1, 2) if not bench.skip_reason("nccl", r)]  # GPUs here
-    assert ("skip nccl" in text) == (len(nccl_runs) < 2) and "speed-up" in text
+    assert ("skip nccl" in text) == (len(nccl_runs) < 2)
+    assert "speed-up" in text and "where the time went" in text
     lines = (tmp_path / "franke_strong.csv").read_text().splitlines()
     runs = 2 * (2 + len(nccl_runs))  # repeats x (mpi at 1 and 2 ranks, nccl where it runs)
-    assert lines[0].startswith("workload,backend,ranks") and len(lines) == 1 + runs
+    assert lines[0] == ",".join(bench.FIELDS) and len(lines) == 1 + runs
     assert (tmp_path / "franke_strong.png").stat().st_size > 0
+    rows = list(csv.DictReader(open(tmp_path / "franke_strong.csv")))
+    losses = {r["ranks"]: r["final_loss"] for r in rows if r["backend"] == "mpi"}
+    assert float(losses["1"]) == pytest.approx(float(losses["2"]), rel=1e-6)  # strong: same updates
+    for r in rows:  # every run's phases: before, during and after training
+        parts = [float(r[k]) for k in ("backend_time", "data_time", "optimizer_time",
+                                        "total_time", "eval_time", "close_time")]
+        assert all(p >= 0 for p in parts) and sum(parts) <= float(r["wall_time"]) * 1.01
+        steps = int(r["epochs"]) * int(r["steps_per_epoch"])
+        assert float(r["time_per_step"]) == pytest.approx(float(r["train_time"]) / steps)
+    phases = {r["phase"]: float(r["seconds"])
+              for r in csv.DictReader(open(tmp_path / "franke_strong_phases.csv"))}
+    job = phases["rank job, mpiexec start to exit"]
+    assert phases["rank job: training"] == pytest.approx(sum(float(r["train_time"]) for r in rows))
+    assert job == pytest.approx(phases["rank job: training"]
+                                + phases["rank job: everything but training"])
+    assert phases["import torch"] > 0 and job > phases["import torch"]
 
 
 @needs_mnist
@@ -321,5 +340,5 @@ def test_bench_mnist_saves_pictures(tmp_path, monkeypatch):
             "--ranks", "2", "--repeats", "1", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
     names = {p.name for p in tmp_path.iterdir()}
-    assert {"mnist_weak.csv", "mnist_weak.png", "mnist_reconstructions.png",
-            "mnist_latent_walk.png"} <= names
+    assert {"mnist_weak.csv", "mnist_reconstructions.png", "mnist_latent_walk.png"} <= names
+    assert "mnist_weak.png" not in names  # one rank count: nothing to plot against ranks

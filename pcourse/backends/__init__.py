@@ -25,8 +25,6 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from pcourse.backends.base import (  # noqa: F401 - the interface, re-exported
     OPS,
     Backend,
@@ -80,6 +78,8 @@ class BackendStatus:
 
 
 def _cuda_reason() -> str:
+    import torch  # here, not at the top: a launcher lists the backends without loading torch
+
     if not torch.cuda.is_available():
         if torch.version.cuda is None:
             return "torch is a CPU-only build (no CUDA)"

@@ -19,10 +19,12 @@ default: the whole job), ``device`` (default: this rank's own) and ``timeout``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # annotations only: listing the backends loads no torch
+    import torch
 
 from pcourse.utils.agree import MismatchError, agree
 
@@ -130,6 +132,8 @@ class Backend(ABC):
         A rank whose input fails the local checks still joins the allreduce, so that
         every rank raises (this one its own error, the others a MismatchError).
         """
+        import torch  # here, not at import: listing the backends loads no torch
+
         kind, last = ("allreduce", "op") if root is None else ("broadcast", "root")
         facts: dict[str, int | str] = {"length": 0, "dtype": "", last: 0}  # until checked
         try:
@@ -154,6 +158,8 @@ class Backend(ABC):
 
     def max_over_ranks(self, v: np.ndarray) -> np.ndarray:
         """The elementwise max over ranks of a small int64 vector (for agreement checks)."""
+        import torch
+
         t = torch.from_numpy(v).to("cpu" if self.any_device else self.device)
         return self.allreduce(t, "max", check=False).cpu().numpy()
 

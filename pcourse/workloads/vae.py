@@ -23,16 +23,21 @@ Two choices make data-parallel training give the same updates as serial training
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from matplotlib.figure import Figure
 from torch import nn
 from torch.nn import functional as F
 
 from pcourse.workloads.base import Workload
+from pcourse.workloads.config import MNISTConfig
 from pcourse.workloads.mnist import load_mnist
+
+if TYPE_CHECKING:  # matplotlib loads only where a picture is drawn, never on a training rank
+    from matplotlib.figure import Figure
+
+__all__ = ["VAE", "MNISTConfig", "latent_walk_figure", "make_model", "make_workload",
+           "reconstruction_figure", "vae_loss"]
 
 
 class VAE(nn.Module):
@@ -80,44 +85,6 @@ def vae_loss(
     return per_sample.sum() if reduction == "sum" else per_sample.mean()
 
 
-@dataclass(frozen=True)
-class MNISTConfig:
-    """The VAE run; the defaults are the source's configuration (``main_mnist.py``).
-
-    The source trains on the first 10,000 images of the training split for 300
-    epochs, Adam (lr 1e-3, weight decay 1e-5) with ExponentialLR(0.98) per epoch,
-    seed 12345. Its ``--train-batch-size`` (default 256) is the *global* batch,
-    divided by the number of ranks; the runs in its README grow it with the GPUs
-    (128 on 2, 512 on 8: 64 per GPU), which is the blog's "bigger batch with more
-    GPUs". Here ``batch_size`` is per rank in weak scaling and global in strong
-    scaling; the default, 64 per rank in weak scaling, is the README's runs, and at
-    4 ranks it is the source's default global batch of 256.
-
-    ``quick()`` is the minutes-scale run the tests and notebooks use: the test
-    split (shipped for machines without a network), fewer images and epochs.
-    """
-
-    split: str = "train"
-    limit: int | None = 10_000  # the source's --ntrain: the first 10,000 images
-    data_dir: str | None = None  # None: $PCOURSE_MNIST_DIR, then ~/.cache/pcourse/mnist
-    latent: int = 2
-    batch_size: int = 64
-    epochs: int = 300
-    lr: float = 1e-3
-    weight_decay: float = 1e-5
-    gamma: float = 0.98  # ExponentialLR, stepped once per epoch
-    seed: int = 12345
-    scaling: str = "weak"
-    dtype: str = "float32"
-    threads: int | None = None  # keep init_rank's share of the cores: 784×512 layers use them
-
-    @classmethod
-    def quick(cls, **changes: object) -> MNISTConfig:
-        """The 10,000-image test split (present offline), 2,048 images, 2 epochs, batch 128."""
-        base = cls(split="test", limit=2048, epochs=2, batch_size=128)
-        return dataclasses.replace(base, **changes)
-
-
 def make_model(latent: int = 2, seed: int = 12345) -> VAE:
     with torch.random.fork_rng(devices=[]):  # identical on every rank, caller's RNG untouched
         torch.manual_seed(seed)
@@ -163,6 +130,8 @@ def make_workload(config: MNISTConfig | None = None, device: str = "cpu") -> Wor
 @torch.no_grad()
 def reconstruction_figure(model: VAE, images: torch.Tensor, n: int = 10) -> Figure:
     """Originals (top row) above their reconstructions from the mean latent code."""
+    from matplotlib.figure import Figure
+
     model.eval()
     x = images[:n]
     mu, _ = model.encode(x)
@@ -181,6 +150,8 @@ def reconstruction_figure(model: VAE, images: torch.Tensor, n: int = 10) -> Figu
 @torch.no_grad()
 def latent_walk_figure(model: VAE, n: int = 15, span: float = 3.0) -> Figure:
     """Decode an n×n grid over [−span, span]² of the first two latent dimensions."""
+    from matplotlib.figure import Figure
+
     model.eval()
     param = next(model.parameters())
     steps = torch.linspace(-span, span, n, dtype=param.dtype, device=param.device)
