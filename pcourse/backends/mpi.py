@@ -9,9 +9,10 @@ the buffer protocol: no pickling, no new tensor, which is why the buffer backend
 the fast one on CPU.
 
 MPI has no timeouts of its own: a rank that never joins a collective blocks the
-others forever. The deadline comes from the launch instead (``pcourse.cluster.launch.mpirun``
-kills the whole job after ``timeout`` seconds; the ipyparallel helper has its own).
-The ``timeout`` argument is accepted so that all backends share one signature.
+others forever. The buffer backend's allreduce waits through
+``pcourse.cluster.interrupts.wait_request``: an interrupt stops it, and ``timeout``
+seconds without the other ranks raise CollectiveTimeout. Elsewhere the deadline
+comes from the launch (``pcourse.cluster.launch.mpirun`` kills the whole job).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from pcourse.backends.base import Backend, Work, check_avg_dtype, check_op
+from pcourse.cluster.interrupts import wait_request
 
 
 def _default_device() -> torch.device:
@@ -97,7 +99,7 @@ class MPIBackend(_MPICommBackend):
             if staged:
                 tensor.detach().copy_(host)
 
-        return _RequestWork(request, finish, keep=(tensor, host))
+        return _RequestWork(request, finish, keep=(tensor, host), timeout=self.timeout)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         host, staged = self._host_buffer(tensor, reduce=False)
@@ -138,14 +140,15 @@ def _mpi_has_float16() -> bool:
 class _RequestWork(Work):
     """A pending ``Iallreduce``: wait for it, then copy back what was staged."""
 
-    def __init__(self, request: Any, finish: Callable[[], None], keep: tuple) -> None:
-        self._request, self._finish = request, finish
+    def __init__(self, request: Any, finish: Callable[[], None], keep: tuple,
+                 timeout: float | None = None) -> None:
+        self._request, self._finish, self._timeout = request, finish, timeout
         self._keep = keep  # the buffers MPI writes into must outlive the request
 
     def wait(self) -> None:
         if self._request is None:
             return
-        self._request.Wait()
+        wait_request(self._request, self._timeout, "allreduce")  # interruptible, with a deadline
         self._request = None
         self._finish()
         self._keep = ()
