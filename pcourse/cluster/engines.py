@@ -332,9 +332,11 @@ def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout:
 class _Progress:
     """Engines registered so far, shown while they start and gone once they have.
 
-    In a notebook, a display updated in place and emptied at the end: the saved
-    cell, and so nbval's comparison, keeps nothing of it. In a terminal, a tqdm bar
-    on stderr that clears itself. Elsewhere (pipes, logs, tests) nothing.
+    In a notebook, a display that starts empty, is updated in place as engines
+    register, and is emptied at the end. nbval records only the first, empty,
+    version (it ignores updates) and nbclient only the last, so the saved cell and
+    nbval's comparison keep nothing of it. In a terminal, a tqdm bar on stderr that
+    clears itself. Elsewhere (pipes, logs, tests) nothing.
     """
 
     def __init__(self, total: int) -> None:
@@ -344,14 +346,18 @@ class _Progress:
         if _in_notebook():
             from IPython.display import display
 
-            self.handle = display(self._bundle(0), raw=True, display_id=True)
+            self.handle = display({}, raw=True, display_id=True)
         elif sys.stderr is not None and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, desc="engines", unit="engine", leave=False)
+        self.update(0)
 
     def update(self, done: int) -> None:
-        if self.bar is not None and done != self.bar.n:
+        if done == self.shown:
+            return
+        self.shown = done
+        if self.bar is not None:
             self.bar.n = done
             self.bar.refresh()  # engines register seconds apart: draw each one
         elif self.handle is not None:
