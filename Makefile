@@ -1,24 +1,29 @@
-# The course's front door. `make lab` opens the course; `make test` runs every check.
-# Both create .venv on first use and re-install only when pyproject.toml changes.
+# The course's front door. `make lab` opens the course; `make test` runs every check,
+# `make test-fast` the quick ones (minutes: no notebooks, no long MPI jobs).
+# All create .venv on first use and re-install only when pyproject.toml changes.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(abspath $(VENV))/bin
 PY := $(BIN)/python
-# Named exactly so pip takes the CPU build already on disk here (and the usual CUDA
-# build on a GPU machine); the looser range in pyproject.toml is then already satisfied.
+# The torch the course is tested with. Named exactly, pip installs the small CPU build
+# on a machine without NVIDIA GPUs and the usual CUDA build on one with them; a loose
+# range could pull whatever is newest. pyproject.toml's range is then already satisfied.
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test
 STAMP := $(VENV)/.pcourse-installed
 # mpiexec and hydra_pmi_proxy come from the mpich wheel and live in the venv's bin/.
 RUN := PATH="$(BIN):$$PATH"
-NOTEBOOKS ?= notebooks
+# JupyterLab opens the whole course (lessons, exercises, solutions), landing on its index.
+LAB_ROOT ?= .
+LAB_INDEX ?= index.ipynb
 
-.PHONY: setup lab test lint gpu-check clean-venv exercises grade
+.PHONY: setup lab test test-fast lint gpu-check clean-venv exercises grade reset timings \
+	troubleshooting browser
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
-		{ echo "pcourse needs Python >= 3.10; run: make PYTHON=python3.11 ..."; exit 1; }
+	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "pcourse needs Python >= 3.11; run: make clean-venv, then make PYTHON=python3.11 ..."; exit 1; }
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
 	@touch $@
@@ -26,11 +31,16 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 lab: setup
+	@$(PY) -m pcourse.workshop.reset --snapshot "$(abspath $(LAB_ROOT))"
 	$(RUN) $(BIN)/jupyter lab --ip=127.0.0.1 --no-browser --allow-root \
-		--ServerApp.root_dir="$(abspath $(NOTEBOOKS))"
+		--ServerApp.root_dir="$(abspath $(LAB_ROOT))" --LabApp.default_url="/lab/tree/$(LAB_INDEX)"
 
 test: setup
 	$(RUN) $(PY) -m pytest
+
+# Everything but the notebooks and the tests marked slow (see the markers in pyproject.toml).
+test-fast: setup
+	$(RUN) $(PY) -m pytest -m "not slow and not notebook"
 
 lint: setup
 	$(RUN) $(BIN)/ruff check pcourse tests
@@ -41,6 +51,15 @@ GPU_STAMP := $(VENV)/.pcourse-gpu-installed
 $(GPU_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,gpu]"
 	@touch $@
+
+# Playwright for the end-to-end browser test (tests/test_browser.py). The browser is the
+# system's Chromium: `apt-get install chromium` (Debian/Ubuntu); .ci/run installs both.
+BROWSER_STAMP := $(VENV)/.pcourse-browser-installed
+$(BROWSER_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,browser]"
+	@touch $@
+
+browser: $(BROWSER_STAMP)
 
 # Both NCCL backends, one rank per visible GPU, checked against MPI's own Allreduce.
 gpu-check: $(GPU_STAMP)
@@ -56,3 +75,19 @@ exercises: setup
 # Grade every exercise (or: make grade NOTEBOOKS_TO_GRADE="exercises/01_partitioner.ipynb").
 grade: setup
 	$(RUN) $(PY) -m pcourse.grading.grade $(NOTEBOOKS_TO_GRADE)
+
+# The instructor's kit (see INSTRUCTORS.md).
+# Put a notebook back as shipped, keeping the learner's version in backups/:
+#   make reset NB=notebooks/05_franke.ipynb
+reset: setup
+	@test -n "$(NB)" || { echo "usage: make reset NB=notebooks/05_franke.ipynb"; exit 2; }
+	$(RUN) $(PY) -m pcourse.workshop.reset $(NB)
+
+# Run every lesson and solution and rewrite the timing tables (index.ipynb, INSTRUCTORS.md).
+# On a quiet machine; TIMINGS_ARGS=--full for full mode, --only NAME... for some notebooks.
+timings: setup
+	$(RUN) $(PY) -m pcourse.workshop.timings $(TIMINGS_ARGS)
+
+# Regenerate the troubleshooting table in INSTRUCTORS.md from the setup check's reasons.
+troubleshooting: setup
+	$(RUN) $(PY) -m pcourse.workshop.troubleshooting

@@ -1,38 +1,26 @@
 """What DDP does under the hood: flat gradient buckets, reduced while backward runs.
 
-Averaging gradients one parameter at a time sends many small messages, and every
-message pays the latency (alpha) of the network again. Two ideas fix that:
-
-1. **Buckets.** Lay the gradients out back to back in a few large flat tensors
-   (25 MB each by default, as DDP does) and reduce each bucket with one collective:
-   a handful of large messages instead of one per parameter.
-2. **Overlap.** Backward produces gradients from the last layer to the first, so a
-   bucket of the last layers' gradients is complete long before backward ends.
-   A hook on every parameter notices when its bucket is complete and starts a
-   non-blocking allreduce right away; communication then runs while autograd is
-   still computing the earlier layers. ``finish()`` waits before the optimizer step.
-
-Usage, once per step::
+:class:`BucketedAllreduce` lays the gradients out back to back in a few flat
+buckets (25 MB by default, as DDP) and averages each bucket with one collective;
+with ``overlap`` a hook starts a bucket's allreduce as soon as backward has filled
+it. Lesson 07 explains why both help, and measures them against DDP. Usage::
 
     reducer = BucketedAllreduce(model, backend)     # once, after freezing layers
     loss.backward()                                 # hooks launch full buckets
     reducer.finish()                                # wait; p.grad is the average
     optimizer.step(); optimizer.zero_grad()
 
-Rules that keep every rank issuing the *same collectives in the same order*
-(collectives are matched by order, so a mismatch is a hang or a wrong answer):
-
-- Buckets are launched strictly in index order, even if a later bucket fills first.
-- A parameter that got no gradient on this rank contributes zeros; ``finish()``
-  fills it in and launches whatever is still pending.
-- Each bucket carries one extra number per parameter: 1 if this rank has a gradient
-  for it. After the average, 0 means *no* rank had one; that gradient is left as
-  ``None`` (as in a single-process run, and as DDP does), so optimizers with weight
-  decay or momentum skip it exactly as they would without parallelism.
+Every rank must issue the *same collectives in the same order*, so buckets launch
+strictly in index order, and a parameter without a gradient on this rank adds
+zeros. Each bucket carries one flag per parameter (1: this rank has a gradient);
+where no rank had one, the gradient stays ``None``, as in a single process and in
+DDP, so optimizers with weight decay or momentum skip it there too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -40,6 +28,7 @@ import torch
 from torch import nn
 
 from pcourse.backends import Backend, Work
+from pcourse.data_parallel import check_same_model
 
 
 @dataclass
@@ -97,16 +86,14 @@ class BucketedAllreduce:
 
     Parameters are bucketed in *reverse* registration order (as DDP does) because
     backward usually reaches the last-registered layers first. Frozen parameters
-    (``requires_grad=False``) are left out; a parameter reached twice (tied weights)
-    is one ``Parameter`` object, listed once by ``model.parameters()``, so it is
-    reduced once.
+    (``requires_grad=False``) are left out; tied weights are one ``Parameter``,
+    listed and reduced once. Collective: the ranks' models are compared first
+    (one tiny allreduce), so different models are one ValueError on every rank.
 
-    Gradients and buckets: after the first step each ``p.grad`` *is* a view into its
-    bucket, so autograd accumulates straight into the bucket and the next step needs
-    no copy (when the optimizer zeroes with ``set_to_none=False``). A gradient that is
-    not the view (the first step, or after ``zero_grad(set_to_none=True)``) is copied
-    in once, in the hook, and then replaced by the view. The copy happens in the hook,
-    not after backward, so it overlaps with the rest of backward too.
+    After the first step each ``p.grad`` *is* a view into its bucket, so autograd
+    accumulates straight into the bucket (with ``zero_grad(set_to_none=False)``, no
+    copy at all); a gradient that is not the view is copied in once, in the hook,
+    while the rest of backward still runs.
     """
 
     def __init__(
@@ -119,18 +106,43 @@ class BucketedAllreduce:
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         params = [p for p in model.parameters() if p.requires_grad][::-1]
+        check_same_model(params, backend, "model (the parameters that require grad)")
         if not params:
             raise ValueError("the model has no parameter with requires_grad=True to reduce")
         self.backend, self.overlap = backend, overlap
         cap = max(1, int(bucket_cap_mb * 2**20))
         self.buckets = [_make_bucket(group) for group in plan_buckets(params, cap)]
         self._next = 0  # index of the next bucket to launch: launches go in order
+        self._syncing = True  # False inside no_sync()
         self._hooks = []
         if overlap:
             for b, bucket in enumerate(self.buckets):
                 for i, p in enumerate(bucket.params):
                     hook = partial(self._on_grad_ready, b, i)
                     self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation, as DDP's ``no_sync()``: backwards here only add up locally.
+
+        The first backward after the block adds its gradients to the accumulated
+        ones, and :meth:`finish` averages the sum across ranks::
+
+            with reducer.no_sync():
+                loss_1.backward()
+            loss_2.backward()
+            reducer.finish()            # p.grad: the average over ranks of both
+        """
+        if not self._syncing:
+            raise RuntimeError("no_sync() is already active")
+        if self._next or any(any(b.staged) for b in self.buckets):
+            raise RuntimeError("a backward before no_sync() was not finished: call "
+                               "reducer.finish() first")
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
 
     def _stage(self, bucket: Bucket, i: int) -> None:
         """Put parameter i's local gradient into the bucket (zeros if it has none)."""
@@ -146,11 +158,14 @@ class BucketedAllreduce:
 
     def _on_grad_ready(self, b: int, i: int, param: nn.Parameter) -> None:
         """Autograd hook: parameter i of bucket b has its gradient for this step."""
+        if not self._syncing:
+            return
         bucket = self.buckets[b]
         if bucket.staged[i]:
             raise RuntimeError(
                 "a gradient arrived twice before finish(): call reducer.finish() after "
-                "every backward, or use overlap=False to accumulate over several backwards"
+                "every backward, or run the backwards before the last inside "
+                "reducer.no_sync() to accumulate gradients"
             )
         self._stage(bucket, i)
         self._launch_in_order()
@@ -164,37 +179,50 @@ class BucketedAllreduce:
     def _launch(self, bucket: Bucket) -> None:
         n = len(bucket.params)
         bucket.flat[-n:] = torch.tensor(bucket.has_grad, dtype=bucket.flat.dtype)
+        # check=False: the layout, the same on every rank, was checked once, at creation.
         if self.overlap:
-            bucket.work = self.backend.allreduce_async(bucket.flat, "avg")
+            bucket.work = self.backend.allreduce_async(bucket.flat, "avg", check=False)
         else:
-            self.backend.allreduce(bucket.flat, "avg")
+            self.backend.allreduce(bucket.flat, "avg", check=False)
 
     def finish(self) -> None:
         """Reduce what backward left pending, wait for every bucket, set ``p.grad``.
 
         Call it after ``backward()`` and before ``optimizer.step()``, on every rank.
+        ValueError on every rank if no rank had any gradient (no backward ran).
         """
+        if not self._syncing:
+            raise RuntimeError("finish() inside no_sync(): leave the block, run the last "
+                               "backward, then call finish()")
         for bucket in self.buckets[self._next :]:
             for i, staged in enumerate(bucket.staged):
                 if not staged:
                     self._stage(bucket, i)
             self._launch(bucket)
+        had_any = False
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
-            self._unpack(bucket)
+            had_any |= self._unpack(bucket)
             bucket.reset()
         self._next = 0
+        if not had_any:  # the flags are averaged: every rank takes the same decision
+            raise ValueError("no rank had a gradient for any parameter: call loss.backward() "
+                             "before reducer.finish()")
 
     @staticmethod
-    def _unpack(bucket: Bucket) -> None:
-        """Point each gradient at its averaged view; None where no rank had one."""
+    def _unpack(bucket: Bucket) -> bool:
+        """Point each gradient at its averaged view; None where no rank had one.
+
+        Returns whether any rank had a gradient for any parameter of the bucket.
+        """
         anyone = bucket.flat[-len(bucket.params) :].tolist()
         for p, view, flag in zip(bucket.params, bucket.views, anyone, strict=True):
             if flag == 0:
                 p.grad = None
             elif p.grad is not view:  # assigning .grad has a cost: only when it changes
                 p.grad = view
+        return any(anyone)
 
     def remove(self) -> None:
         """Detach the hooks; the model trains as if this reducer never existed."""

@@ -28,11 +28,13 @@ from typing import Any
 
 import numpy as np
 
+from pcourse.utils.agree import MismatchError, agree
+
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 ALGORITHMS = ("tree", "ring", "recursive-doubling")
 
 
-class LengthMismatchError(ValueError):
+class LengthMismatchError(MismatchError):
     """Ranks called the same allreduce with buffers of different lengths."""
 
 
@@ -50,22 +52,15 @@ def _as_array(x: Any, name: str) -> np.ndarray:
 
 
 def _check_same_length(comm: Any, n: int) -> None:
-    """Refuse to start when ranks disagree on the length: it would deadlock or corrupt.
-
-    One tiny MPI Allreduce gives the largest n and the largest -n (= minus the smallest).
-    """
+    """Refuse to start when ranks disagree on the length: it would deadlock or corrupt."""
     from mpi4py import MPI
 
-    both = np.array([n, -n], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
-    if -both[1] < 0:  # a rank joined with REFUSED: its input failed the local checks
-        raise LengthMismatchError("another rank refused its input (see that rank's error); "
-                                  "no rank communicated")
-    if both[0] != -both[1]:
-        raise LengthMismatchError(
-            f"allreduce needs the same length on every rank, but lengths range from "
-            f"{-both[1]} to {both[0]} (this rank: {n}). Pass equally sized buffers."
-        )
+    def max_over_ranks(v: np.ndarray) -> np.ndarray:
+        comm.Allreduce(MPI.IN_PLACE, v, op=MPI.MAX)
+        return v
+
+    agree({"length": n}, max_over_ranks, subject="allreduce needs the same length on every rank",
+          hint="Pass equally sized buffers.", refused=n == REFUSED, error=LengthMismatchError)
 
 
 REFUSED = -1  # the "length" a rank reports when its own input is invalid

@@ -3,27 +3,29 @@
 1. ``broadcast_parameters``: every rank starts from rank 0's weights (and buffers,
    such as BatchNorm's running statistics), whatever its own random init was.
 2. ``average_gradients``: after ``backward()``, every rank replaces its gradients by
-   the average over ranks. With equal shards and a mean loss, this is exactly the
-   gradient of the mean loss over the union of the ranks' batches, so the
-   optimizer steps that follow are identical on every rank.
+   the average over ranks (``average_gradients_flat``: the same, in one message).
+   With equal shards and a mean loss this is exactly the gradient of the mean loss
+   over the union of the ranks' batches, so the optimizer steps that follow are
+   identical on every rank (lesson 01; the loop of lesson 05 relies on it).
 3. ``check_consistency``: prove it. The largest spread of every tensor across
    ranks, and the names of those that differ.
 
-All three begin by comparing a fingerprint of the model across ranks. Ranks that
-hold differently shaped models would otherwise issue collectives of different
-sizes or counts, which deadlocks or silently mixes tensors; with the fingerprint
-they all raise the same ValueError instead.
+Each begins by comparing a fingerprint of the model across ranks, in one tiny
+allreduce (:func:`check_same_model`): ranks holding differently shaped models would
+otherwise issue collectives of different sizes or counts, which deadlocks or
+silently mixes tensors; with the fingerprint they all raise the same ValueError.
+The collectives after it skip the backends' own per-call check (``check=False``).
 """
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from pcourse.backends import Backend
+from pcourse.utils.agree import agree
 
 
 def _named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -33,35 +35,39 @@ def _named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     yield from model.named_buffers()
 
 
-def _fingerprint(tensors: list[torch.Tensor]) -> list[int]:
-    shapes = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors)
-    # crc32, not hash(): Python salts str hashes per process, crc32 is the same everywhere.
-    return [len(tensors), sum(t.numel() for t in tensors), zlib.crc32(shapes.encode())]
+def check_same_model(tensors: list[torch.Tensor], backend: Backend, what: str,
+                     **also: int) -> None:
+    """Raise ValueError on every rank if the ranks' tensor lists differ in shape or dtype.
 
-
-def check_same_model(tensors: list[torch.Tensor], backend: Backend, what: str) -> None:
-    """Raise ValueError on every rank if the ranks' tensor lists differ in shape.
-
-    One allreduce with MAX and one with MIN of (count, elements, shape hash): the
-    ranks agree exactly when max == min for all three.
+    Collective. ``also``: further numbers every rank must agree on (a root rank).
     """
-    fp = torch.tensor(_fingerprint(tensors), dtype=torch.int64, device=backend.device)
-    hi = backend.allreduce(fp.clone(), "max").tolist()
-    lo = backend.allreduce(fp.clone(), "min").tolist()
-    labels = ("number of tensors", "total number of elements", "hash of the shapes")
-    diffs = [f"{lab} ranges from {a} to {b}"
-             for lab, a, b in zip(labels, lo, hi, strict=True) if a != b]
-    if diffs:
-        raise ValueError(
-            f"ranks hold different {what}: " + "; ".join(diffs)
-            + ". Build the same model (same architecture and arguments) on every rank."
-        )
+    facts: dict[str, int | str] = {
+        "number of tensors": len(tensors),
+        "number of elements": sum(t.numel() for t in tensors),
+        "list of shapes": ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors),
+        **also,
+    }
+    agree(facts, backend.max_over_ranks, subject=f"every rank must hold the same {what}",
+          hint="Build the same model (same architecture and arguments) on every rank.")
 
 
-def _on_backend_device(tensor: torch.Tensor, backend: Backend, collective) -> None:
+def _gradients(model: torch.nn.Module, backend: Backend, check: bool) -> list[torch.Tensor]:
+    """The gradients to average, the same list on every rank (``check``)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if check:
+        check_same_model(grads, backend, "gradients (the same model, and a gradient for "
+                                         "the same parameters)")
+    if not grads:
+        raise ValueError("the model has no gradients to average: call loss.backward() first, "
+                         "and check that some parameters have requires_grad=True")
+    return grads
+
+
+def _on_backend_device(tensor: torch.Tensor, backend: Backend,
+                       collective: Callable[[torch.Tensor], object]) -> None:
     """Run ``collective(t)`` in place on ``tensor``, staged through the backend's device
-    if the tensor lives elsewhere (the MPI backends stage any device themselves)."""
-    if tensor.device == backend.device or backend.name.startswith("mpi"):
+    if the tensor lives elsewhere and the backend does not stage it itself."""
+    if tensor.device == backend.device or backend.any_device:
         collective(tensor)
     else:
         staged = tensor.detach().to(backend.device)
@@ -70,11 +76,11 @@ def _on_backend_device(tensor: torch.Tensor, backend: Backend, collective) -> No
 
 
 def _reduce(tensor: torch.Tensor, backend: Backend, op: str) -> None:
-    _on_backend_device(tensor, backend, lambda t: backend.allreduce(t, op))
+    _on_backend_device(tensor, backend, lambda t: backend.allreduce(t, op, check=False))
 
 
 def average_gradients(model: torch.nn.Module, backend: Backend, check: bool = True) -> None:
-    """Replace every gradient by its average across ranks, in place.
+    """Replace every gradient by its average across ranks, in place, one message each.
 
     Parameters whose ``grad`` is None (frozen, or unused in this step) are skipped;
     every rank must skip the same ones, which ``check`` verifies with one small
@@ -82,36 +88,35 @@ def average_gradients(model: torch.nn.Module, backend: Backend, check: bool = Tr
     Tied weights are one Parameter object: ``model.parameters()`` yields it once,
     so it is reduced once, with the gradient summed from all its uses.
     """
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if check:
-        check_same_model(grads, backend, "gradients (different models, or a parameter "
-                                         "without a gradient on some ranks only)")
-    for g in grads:
+    for g in _gradients(model, backend, check):
         _reduce(g, backend, "avg")
 
 
-def average_gradients_flat(model: torch.nn.Module, backend: Backend) -> None:
+def average_gradients_flat(model: torch.nn.Module, backend: Backend, check: bool = True) -> None:
     """Average every gradient across ranks with ONE allreduce of one flat buffer.
 
-    A small model has few, small gradients: per-parameter messages pay the latency
-    once per tensor (6 times for Franke's net), and the copy into one buffer costs
-    microseconds. This is the fast path; the per-parameter one is
-    :func:`pcourse.data_parallel.average_gradients`.
+    Per-parameter messages pay the latency once per tensor; the copy into one
+    buffer costs a pass over the gradients. ``check`` as in :func:`average_gradients`.
     """
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = _gradients(model, backend, check)
     flat = torch.cat([g.reshape(-1) for g in grads])
-    backend.allreduce(flat, "avg")
+    _reduce(flat, backend, "avg")
     torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in
                                  zip(flat.split([g.numel() for g in grads]), grads, strict=True)])
 
 
 @torch.no_grad()
 def broadcast_parameters(model: torch.nn.Module, backend: Backend, root: int = 0) -> None:
-    """Overwrite every parameter and buffer with ``root``'s, so all ranks start alike."""
+    """Overwrite every parameter and buffer with ``root``'s, so all ranks start alike.
+
+    The ranks must agree on ``root`` (checked with the model), a rank of the backend.
+    """
     tensors = [t for _, t in _named_tensors(model)]
-    check_same_model(tensors, backend, "models")
+    check_same_model(tensors, backend, "model", root=root)
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < backend.size:
+        raise ValueError(f"root must be a rank from 0 to {backend.size - 1}, got {root!r}")
     for t in tensors:
-        _on_backend_device(t, backend, lambda buf: backend.broadcast(buf, root))
+        _on_backend_device(t, backend, lambda buf: backend.broadcast(buf, root, check=False))
 
 
 @dataclass
@@ -119,7 +124,7 @@ class ConsistencyReport:
     """How far the ranks' copies of a model are apart (identical on every rank)."""
 
     max_deviation: float  # largest (max over ranks - min over ranks) of any element
-    diverging: list[str]  # names of tensors whose spread exceeds the tolerance
+    diverging: list[str]  # names of tensors that differ between ranks
     spreads: dict[str, float] = field(default_factory=dict)  # every tensor's spread
 
     @property
@@ -134,17 +139,15 @@ class ConsistencyReport:
 
 
 @torch.no_grad()
-def check_consistency(
-    model: torch.nn.Module, backend: Backend, atol: float = 0.0
-) -> ConsistencyReport:
+def check_consistency(model: torch.nn.Module, backend: Backend) -> ConsistencyReport:
     """Compare every parameter and buffer across ranks; collective, so call it on all.
 
     For each tensor, allreduce with MAX and with MIN: their difference is the spread
-    of every element across ranks, zero where all ranks agree. Tensors whose largest
-    spread exceeds ``atol`` are named in the report.
+    of every element across ranks, zero where all ranks agree. Tensors with any
+    spread (or NaN) are named in the report.
     """
     named = list(_named_tensors(model))
-    check_same_model([t for _, t in named], backend, "models")
+    check_same_model([t for _, t in named], backend, "model")
     spreads = {}
     for name, t in named:
         if t.dtype == torch.bool:  # no backend sums bools; compare them as 0/1
@@ -155,5 +158,5 @@ def check_consistency(
         _reduce(lo, backend, "min")
         spread = (hi.double() - lo.double()).abs()
         spreads[name] = float(spread.max()) if spread.numel() else 0.0
-    diverging = [name for name, s in spreads.items() if not s <= atol]  # NaN diverges
+    diverging = [name for name, s in spreads.items() if s != 0.0]  # NaN != 0: diverges
     return ConsistencyReport(max(spreads.values(), default=0.0), diverging, spreads)

@@ -23,6 +23,7 @@ DataLoader worker process per rank costs more than the work on 2-core machines.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,6 +45,7 @@ from pcourse.data_parallel import (
 )
 from pcourse.partition import partition_indices
 from pcourse.workloads import Workload, default_config, make_workload
+from pcourse.workloads.config import batch_sizes  # noqa: F401 - the loop's, kept where it was
 
 
 @dataclass
@@ -78,24 +80,6 @@ class TrainResult:
         return row
 
 
-def batch_sizes(scaling: str, batch_size: int, size: int, n_train: int) -> tuple[int, int]:
-    """(per-rank batch, global batch) for a scaling mode; a clear error if it cannot work."""
-    if scaling == "strong":
-        if batch_size % size:
-            raise ValueError(
-                f"strong scaling splits the global batch of {batch_size} equally over "
-                f"{size} ranks; choose a batch size divisible by the number of ranks"
-            )
-        local, global_ = batch_size // size, batch_size
-    elif scaling == "weak":
-        local, global_ = batch_size, batch_size * size
-    else:
-        raise ValueError(f"unknown scaling {scaling!r}; use 'strong' or 'weak'")
-    if n_train < size:
-        raise ValueError(f"{size} ranks but only {n_train} training samples: use fewer ranks")
-    return local, global_
-
-
 def local_batches(n: int, rank: int, size: int, local_batch: int, seed: int, epoch: int):
     """This rank's batches for one epoch: its strided share of the seeded shuffle, cut up.
 
@@ -107,39 +91,42 @@ def local_batches(n: int, rank: int, size: int, local_batch: int, seed: int, epo
     return torch.split(mine, local_batch)
 
 
+SYNC_MODES = ("auto", "flat", "per-parameter", "bucketed")
+
+
 @contextmanager
 def gradient_sync(model: nn.Module, backend: Backend | None,
                   mode: str = "auto") -> Iterator[Callable[[], None] | None]:
     """While training runs, ``sync()`` averages the gradients after each backward.
 
     - "per-parameter": one allreduce per gradient, the source's way. "auto" keeps it
-      for ``mpi-pickle``: that backend *is* the source's way, kept for comparison.
+      for ``mpi-pickle``, which *is* the source's way, kept for comparison.
     - "flat": every gradient copied into one buffer, one allreduce (lesson 05).
     - "bucketed": the gradients live in flat buckets (views, so no copies), one
       allreduce per bucket (lesson 07's BucketedAllreduce); "auto" elsewhere. It
       overlaps communication with backward only on GPUs: on CPUs both compete for
-      the same cores, and overlap measured no faster on 2 cores (Franke, 20 epochs,
-      2 ranks, MPI: 0.69 s bucketed with or without overlap, 0.75 s flat).
+      the same cores.
+
+    The ranks' gradients are compared once, at the first step. Yields None without
+    a backend (a serial run).
     """
+    if mode not in SYNC_MODES:
+        raise ValueError(f"unknown gradient sync {mode!r}; use one of {', '.join(SYNC_MODES)}")
     if backend is None:
         yield None
         return
     if mode == "auto":
         mode = "per-parameter" if backend.name == "mpi-pickle" else "bucketed"
-    if mode == "flat":
-        yield lambda: average_gradients_flat(model, backend)
-    elif mode == "per-parameter":
-        # The model was checked once by broadcast_parameters; no per-step fingerprint.
-        yield lambda: average_gradients(model, backend, check=False)
-    elif mode == "bucketed":
+    if mode == "bucketed":
         reducer = BucketedAllreduce(model, backend, overlap=backend.device.type == "cuda")
         try:
             yield reducer.finish
         finally:
             reducer.remove()  # the trained model keeps no hooks
-    else:
-        raise ValueError(f"unknown gradient sync {mode!r}; use 'auto', 'flat', "
-                         "'per-parameter' or 'bucketed'")
+        return
+    average = average_gradients_flat if mode == "flat" else average_gradients
+    steps = itertools.count()
+    yield lambda: average(model, backend, check=next(steps) == 0)
 
 
 def _epoch(wl: Workload, opt, backend, sync, batches, epoch: int, device) -> float:
@@ -184,25 +171,24 @@ def train(
     config: Any = None,
     *,
     progress: bool = True,
-    check: bool = True,
-    device: str | torch.device | None = None,
     sync: str = "auto",
 ) -> TrainResult:
     """Train ``workload`` ("franke", "mnist" or a :class:`Workload`) data-parallel.
 
     ``backend`` None is the serial, one-process reference. ``config`` is a
     FrankeConfig / MNISTConfig (default: the workload's full configuration) and
-    must have ``epochs``, ``batch_size``, ``scaling`` and ``seed``. The progress
-    bar shows on rank 0 only; ``check`` compares the final weights across ranks;
-    ``sync`` chooses how gradients are averaged (see :func:`gradient_sync`).
+    must have ``epochs``, ``batch_size``, ``scaling`` and ``seed``. A named workload
+    is built on the backend's device (the CPU when serial). The progress bar shows
+    on rank 0 only; ``sync`` chooses how gradients are averaged (see
+    :func:`gradient_sync`). The final weights are compared across ranks.
     """
     rank, size = (backend.rank, backend.size) if backend is not None else (0, 1)
-    device = torch.device(device or (backend.device if backend is not None else "cpu"))
+    device = backend.device if backend is not None else torch.device("cpu")
     config = config if config is not None else default_config(workload)
     wl = workload if isinstance(workload, Workload) else make_workload(workload, config, device)
     local, global_ = batch_sizes(config.scaling, config.batch_size, size, wl.n_train)
 
-    # Setup, not training: torch's first optimiser imports torch._dynamo (about 1 s).
+    # Setup, not training: torch's first optimiser imports torch._dynamo.
     opt, scheduler = wl.make_optimizer(wl.model)
     start = time.perf_counter()
     if backend is not None:
@@ -212,7 +198,7 @@ def train(
         losses, times, steps = _fit(wl, backend, grad_sync, opt, scheduler, config, rank, size,
                                     local, device, progress)
     deviation = None
-    if check and backend is not None:
+    if backend is not None:
         deviation = check_consistency(wl.model, backend).max_deviation
     total = time.perf_counter() - start
     wl.model.eval()

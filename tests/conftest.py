@@ -1,16 +1,32 @@
-"""Suite-wide guard: no engine, controller or mpiexec started by the tests outlives them."""
+"""What every test shares: the one fake backend, the one MPI launcher, markers, leak guard.
+
+- ``OneRankBackend`` (fixture ``one_rank``): a one-rank backend that records what it is
+  asked to do, and can play a second rank's part in agreement checks.
+- ``mpi_run``: runs a script of ``tests/mpi/`` on n ranks; a test that uses it is
+  marked ``mpi``. Notebook cells collected by nbval are marked ``notebook``; tests
+  marked ``gpu`` are skipped without a CUDA device.
+- The session ends by checking that no engine, controller or mpiexec it started
+  outlives it.
+"""
 
 from __future__ import annotations
 
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
+import torch
+
+from pcourse.backends import Backend, Work
+from pcourse.cluster.launch import mpirun
 
 REPO = Path(__file__).resolve().parents[1]
+MPI_SCRIPTS = REPO / "tests" / "mpi"
 # Launching engines needs the venv's mpiexec; tests may be started without activating it.
 os.environ["PATH"] = f"{Path(os.sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
@@ -24,6 +40,90 @@ _CLUSTER_MARKERS = ("ipyparallel.engine", "ipyparallel.controller", "ipengine", 
                     "mpiexec", "hydra_pmi_proxy")
 
 
+# ---------------------------------------------------------------- the fake backend
+class OneRankBackend(Backend):
+    """One rank: averaging over one rank is the identity, so results are the inputs.
+
+    ``calls`` records every collective as (kind, tensor, op or root), kind one of
+    "allreduce", "allreduce_async", "broadcast". ``peer``: the vector a second rank
+    would contribute to agreement checks (see :meth:`facts_of`); None: no second rank.
+    """
+
+    name, rank, size, device = "one-rank", 0, 1, torch.device("cpu")
+
+    def __init__(self, peer: np.ndarray | None = None) -> None:
+        self.calls: list[tuple[str, torch.Tensor, str | int]] = []
+        self.sent: list[np.ndarray] = []  # what this rank contributed to agreement checks
+        self.peer = peer
+
+    def allreduce(self, tensor, op="sum", *, check=True):
+        self._agree(tensor, check, op=op)
+        self.calls.append(("allreduce", tensor, op))
+        return tensor
+
+    def allreduce_async(self, tensor, op="sum", *, check=True) -> Work:
+        self._agree(tensor, check, op=op)
+        self.calls.append(("allreduce_async", tensor, op))
+        return Work()
+
+    def broadcast(self, tensor, root=0, *, check=True):
+        self._agree(tensor, check, root=root)
+        self.calls.append(("broadcast", tensor, root))
+        return tensor
+
+    def barrier(self):
+        return None
+
+    def max_over_ranks(self, v: np.ndarray) -> np.ndarray:
+        self.sent.append(v.copy())
+        return v if self.peer is None else np.maximum(v, self.peer)
+
+    @classmethod
+    def facts_of(cls, collective: Callable[[OneRankBackend], object]) -> np.ndarray:
+        """What a rank running ``collective`` contributes to its first agreement check."""
+        other = cls()
+        collective(other)
+        return other.sent[0]
+
+
+@pytest.fixture
+def one_rank() -> type[OneRankBackend]:
+    """The fake backend's class: ``one_rank()``, or ``one_rank(peer=...)``."""
+    return OneRankBackend
+
+
+# ---------------------------------------------------------------- MPI jobs
+@pytest.fixture
+def mpi_run() -> Callable[..., str]:
+    """``mpi_run(n, "check_x.py", *args, expect=..., timeout=...)``: run a script of
+    tests/mpi/ on n ranks under mpi4py's runner (an uncaught exception on one rank
+    aborts them all); return its output. Fails the test, with the output, on a
+    non-zero exit or when the ``expect`` line is missing."""
+
+    def run(n: int, script: str, *args: str, expect: str = "", timeout: float = 240,
+            env: dict[str, str] | None = None) -> str:
+        done = mpirun(n, ["-m", "mpi4py", str(MPI_SCRIPTS / script), *args], timeout=timeout,
+                      cwd=REPO, check=False, env=env)
+        assert done.returncode == 0, done.stdout[-4000:]
+        assert expect in done.stdout, done.stdout[-4000:]
+        return done.stdout
+
+    return run
+
+
+# ---------------------------------------------------------------- markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "mpi_run" in getattr(item, "fixturenames", ()):
+            item.add_marker("mpi")
+        if item.path.suffix == ".ipynb":
+            item.add_marker("notebook")
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+
+
+# ---------------------------------------------------------------- leak guard
 def cluster_processes() -> dict[int, str]:
     """pid -> command line of every engine, controller and MPI launcher this session started."""
     found = {}

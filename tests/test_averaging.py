@@ -15,7 +15,6 @@ import torch
 
 from pcourse.beyond_sgd.hogwild import HogwildError, hogwild
 from pcourse.beyond_sgd.weight_averaging import Setup, average_parameters, select_ranks
-from pcourse.cluster.launch import mpirun
 
 CHECK = Path(__file__).parent / "mpi" / "check_averaging.py"
 EXPECTED = {
@@ -27,8 +26,8 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
-def test_mpi_checks_pass_on_two_ranks(backend):
-    out = mpirun(2, [str(CHECK), backend], timeout=240).stdout
+def test_mpi_checks_pass_on_two_ranks(mpi_run, backend):
+    out = mpi_run(2, CHECK.name, backend)
     # stdout and stderr share the pipe: a warning can land right after an OK line
     assert set(re.findall(r"^OK (\w+)", out, re.M)) == EXPECTED, out
 
@@ -43,21 +42,12 @@ def test_rank_selection_is_a_pure_function_of_seed_and_round():
         select_ranks(4, 0.0, seed=1, round_=0)
 
 
-class _SoloBackend:
-    """One rank: allreduce is the identity, as MPI's is on a single process."""
-
-    rank, size = 0, 1
-
-    def allreduce(self, tensor, op="sum"):
-        return tensor
-
-
-def test_average_parameters_refuses_zero_total_weight():
+def test_average_parameters_refuses_zero_total_weight(one_rank):
     model = torch.nn.Linear(2, 1)
     with pytest.raises(ValueError, match="at least one rank"):
-        average_parameters(model, _SoloBackend(), weight=0.0)
+        average_parameters(model, one_rank(), weight=0.0)
     before = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
-    assert average_parameters(model, _SoloBackend(), weight=3.0) == 3.0
+    assert average_parameters(model, one_rank(), weight=3.0) == 3.0
     after = torch.nn.utils.parameters_to_vector(model.parameters())
     assert torch.allclose(after, before, rtol=1e-6, atol=0)  # (3 w) / 3 on one rank is w
 

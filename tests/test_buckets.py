@@ -1,50 +1,22 @@
 """BucketedAllreduce: layout and launch order in-process; correctness across ranks via MPI.
 
-The in-process tests use a recording one-rank backend (average over one rank is the
+The in-process tests use the one-rank fake backend (an average over one rank is the
 identity), so they check the bookkeeping: which parameters land in which bucket, in
-which order buckets are launched, what happens to missing gradients, and remove().
+which order buckets are launched, missing gradients, no_sync(), bad input, remove().
 The MPI test compares parameters after several steps with torch DDP and with a
-single-process reference (see tests/mpi/check_buckets.py).
+single-process reference (tests/mpi/check_buckets.py); tests/torchrun/check_gloo.py
+does the same for gradient accumulation without MPI.
 """
 
 from __future__ import annotations
-
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from pcourse.backends import Backend, Work
 from pcourse.buckets import BucketedAllreduce
-from pcourse.cluster.launch import mpirun
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-class RecordingBackend(Backend):
-    """One rank; records the size of every tensor it is asked to reduce, in order."""
-
-    name, rank, size, device = "recording", 0, 1, torch.device("cpu")
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, int]] = []
-
-    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        self.calls.append(("blocking", tensor.numel()))
-        return tensor
-
-    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Work:
-        self.calls.append(("async", tensor.numel()))
-        return Work()
-
-    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-        return tensor
-
-    def barrier(self) -> None:
-        pass
+TINY_CAP_MB = 320 / 2**20  # 80 float32s: several buckets for mlp()
 
 
 def mlp() -> nn.Sequential:
@@ -52,11 +24,15 @@ def mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
-def test_layout_reverse_order_and_cap() -> None:
+def sizes(calls) -> list[int]:
+    return [tensor.numel() for _, tensor, _ in calls]
+
+
+def test_layout_reverse_order_and_cap(one_rank) -> None:
     model = mlp()
     params = list(model.parameters())
     # cap of 80 floats: [w2 (16) b2 (2)], [b1 (8), w1 (64)] ... each bucket <= cap
-    reducer = BucketedAllreduce(model, RecordingBackend(), bucket_cap_mb=320 / 2**20)
+    reducer = BucketedAllreduce(model, one_rank(), bucket_cap_mb=TINY_CAP_MB)
     flat_order = [p for b in reducer.buckets for p in b.params]
     assert flat_order == params[::-1]
     for b in reducer.buckets:
@@ -64,13 +40,13 @@ def test_layout_reverse_order_and_cap() -> None:
     assert len(reducer.buckets) > 1
 
 
-def test_frozen_excluded_and_tied_counted_once() -> None:
+def test_frozen_excluded_and_tied_counted_once(one_rank) -> None:
     model = mlp()
     model[0].requires_grad_(False)
     model[4].weight = nn.Parameter(torch.randn(2, 8))
     model.add_module("tied", nn.Linear(8, 2))
     model.tied.weight = model[4].weight  # the same Parameter reached twice
-    reducer = BucketedAllreduce(model, RecordingBackend())
+    reducer = BucketedAllreduce(model, one_rank())
     reduced = [p for b in reducer.buckets for p in b.params]
     assert all(p.requires_grad for p in reduced)
     assert len({id(p) for p in reduced}) == len(reduced)
@@ -79,11 +55,11 @@ def test_frozen_excluded_and_tied_counted_once() -> None:
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_grads_are_bucket_views_and_unused_stays_none(overlap: bool) -> None:
+def test_grads_are_bucket_views_and_unused_stays_none(one_rank, overlap: bool) -> None:
     body, extra = mlp(), nn.Linear(2, 2)  # extra: never used, so no gradient anywhere
     model = nn.ModuleDict({"body": body, "extra": extra})
-    backend = RecordingBackend()
-    reducer = BucketedAllreduce(model, backend, bucket_cap_mb=320 / 2**20, overlap=overlap)
+    backend = one_rank()
+    reducer = BucketedAllreduce(model, backend, bucket_cap_mb=TINY_CAP_MB, overlap=overlap)
     x = torch.randn(5, 4)
     expected = torch.autograd.grad(body(x).square().mean(), list(body.parameters()))
     body(x).square().mean().backward()
@@ -93,51 +69,104 @@ def test_grads_are_bucket_views_and_unused_stays_none(overlap: bool) -> None:
         torch.testing.assert_close(p.grad, g)
         assert p.grad.data_ptr() == views[id(p)].data_ptr()
     assert extra.weight.grad is None and extra.bias.grad is None
-    kinds = {kind for kind, _ in backend.calls}
-    assert kinds == ({"async"} if overlap else {"blocking"})
+    kinds = {kind for kind, _, _ in backend.calls}
+    assert kinds == ({"allreduce_async"} if overlap else {"allreduce"})
     assert len(backend.calls) == len(reducer.buckets)
 
 
-def test_buckets_launch_in_index_order_during_backward() -> None:
+def test_buckets_launch_in_index_order_during_backward(one_rank) -> None:
     model = mlp()
-    backend = RecordingBackend()
-    reducer = BucketedAllreduce(model, backend, bucket_cap_mb=320 / 2**20)
+    backend = one_rank()
+    reducer = BucketedAllreduce(model, backend, bucket_cap_mb=TINY_CAP_MB)
     model(torch.randn(3, 4)).sum().backward()
-    launched_in_backward = list(backend.calls)
+    launched_in_backward = sizes(backend.calls)
     reducer.finish()
-    sizes = [b.flat.numel() for b in reducer.buckets]
-    assert [n for _, n in launched_in_backward] == sizes  # all full, all in order
-    assert [n for _, n in backend.calls] == sizes  # finish launched nothing more
+    expected = [b.flat.numel() for b in reducer.buckets]
+    assert launched_in_backward == expected  # all full, all in order
+    assert sizes(backend.calls) == expected  # finish launched nothing more
 
 
-def test_second_backward_before_finish_is_an_error() -> None:
+def test_the_model_is_compared_once_and_buckets_skip_the_per_call_check(one_rank) -> None:
+    model, backend = mlp(), one_rank()
+    reducer = BucketedAllreduce(model, backend, bucket_cap_mb=TINY_CAP_MB)
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+        reducer.finish()
+    assert len(backend.sent) == 1  # the fingerprint at creation; no check per bucket
+
+
+def test_different_models_are_refused_before_any_bucket_moves(one_rank) -> None:
+    theirs = one_rank.facts_of(lambda b: BucketedAllreduce(nn.Linear(4, 3), b))
+    backend = one_rank(peer=theirs)
+    with pytest.raises(ValueError, match="every rank must hold the same model.*number of"):
+        BucketedAllreduce(mlp(), backend)
+    assert backend.calls == []
+
+
+def test_a_model_without_gradients_is_a_clear_error(one_rank) -> None:
+    with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
+        BucketedAllreduce(mlp().requires_grad_(False), one_rank())
+    reducer = BucketedAllreduce(mlp(), one_rank())
+    with pytest.raises(ValueError, match="call loss.backward"):
+        reducer.finish()  # no backward ran anywhere
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_no_sync_accumulates_like_one_process(one_rank, overlap: bool) -> None:
+    """Three micro-batches, two in no_sync(): the sum of their gradients, one exchange."""
+    batches = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ref = mlp()
+    for x in batches:
+        ref(x).square().mean().backward()
+    model, backend = mlp(), one_rank()
+    reducer = BucketedAllreduce(model, backend, bucket_cap_mb=TINY_CAP_MB, overlap=overlap)
+    for step in range(2):  # the second step accumulates into the bucket views
+        model.zero_grad(set_to_none=False)
+        with reducer.no_sync():
+            for x in batches[:-1]:
+                model(x).square().mean().backward()
+        assert backend.calls == [] if step == 0 else len(backend.calls) == len(reducer.buckets)
+        model(batches[-1]).square().mean().backward()
+        reducer.finish()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+    assert len(backend.calls) == 2 * len(reducer.buckets)
+
+
+def test_no_sync_misuse_is_explained(one_rank) -> None:
     model = mlp()
-    BucketedAllreduce(model, RecordingBackend())
+    reducer = BucketedAllreduce(model, one_rank())
+    with reducer.no_sync(), pytest.raises(RuntimeError, match="inside no_sync"):
+        reducer.finish()
     model(torch.randn(3, 4)).sum().backward()
-    with pytest.raises(RuntimeError, match="finish"):
+    with pytest.raises(RuntimeError, match="call reducer.finish"), reducer.no_sync():
+        pass
+
+
+def test_second_backward_before_finish_points_to_no_sync(one_rank) -> None:
+    model = mlp()
+    BucketedAllreduce(model, one_rank())
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
         model(torch.randn(3, 4)).sum().backward()
 
 
-def test_remove_detaches_hooks() -> None:
+def test_remove_detaches_hooks(one_rank) -> None:
     model = mlp()
-    backend = RecordingBackend()
+    backend = one_rank()
     reducer = BucketedAllreduce(model, backend)
     reducer.remove()
     model(torch.randn(3, 4)).sum().backward()
     assert backend.calls == []
 
 
-def test_bad_cap_is_rejected() -> None:
+def test_bad_cap_is_rejected(one_rank) -> None:
     with pytest.raises(ValueError, match="bucket_cap_mb"):
-        BucketedAllreduce(mlp(), RecordingBackend(), bucket_cap_mb=0)
+        BucketedAllreduce(mlp(), one_rank(), bucket_cap_mb=0)
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_matches_ddp_and_single_process_reference(ranks: int) -> None:
-    """Every model x backend x overlap x cap; one mpiexec launch per rank count."""
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get(
-        "PYTHONPATH", "")}
-    out = mpirun(ranks, [str(REPO / "tests" / "mpi" / "check_buckets.py")], timeout=150,
-                 env=env).stdout
-    assert f"buckets ok on {ranks} ranks" in out, out
-    assert sys.executable  # the ranks ran with this interpreter (mpirun uses it)
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_matches_ddp_and_single_process_reference(mpi_run, ranks: int) -> None:
+    """Every model x backend x overlap x cap, and accumulation; one launch per rank count."""
+    mpi_run(ranks, "check_buckets.py", expect=f"buckets ok on {ranks} ranks", timeout=240,
+            env={"OMP_NUM_THREADS": "1"})

@@ -12,6 +12,7 @@ from conftest import cluster_processes
 
 from pcourse.cluster import ClusterError, launch, start_cluster, stop_cluster
 from pcourse.cluster import engines as cl
+from pcourse.cluster.rankinfo import gpu_for
 
 LOOPBACK = {"127.0.0.1", "::1"}
 
@@ -35,12 +36,15 @@ def _listening(pids: list[int]) -> set[tuple[str, str]]:
     return found
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_start_run_restart_stop():
+    devices = ["cpu" if gpu_for(r) is None else f"cuda:{gpu_for(r)}" for r in (0, 1)]
     mc = start_cluster(2)
     try:
         assert mc.n == 2
         assert [e.rank for e in mc.engines] == [0, 1]
-        assert all(e.size == 2 and e.device == "cpu" for e in mc.engines)
+        assert [e.device for e in mc.engines] == devices and all(e.size == 2 for e in mc.engines)
         # engine id == MPI rank, and the engine namespace knows its rank and device;
         # the ranks really talk to each other over MPI
         mc.view.execute(
@@ -48,7 +52,7 @@ def test_start_run_restart_stop():
             "answer = (MPI.COMM_WORLD.rank, rank, size, local_rank, str(device))\n"
             "total = MPI.COMM_WORLD.allreduce(rank + 1)"
         )
-        assert mc.view.pull("answer") == [(0, 0, 2, 0, "cpu"), (1, 1, 2, 1, "cpu")]
+        assert mc.view.pull("answer") == [(0, 0, 2, 0, devices[0]), (1, 1, 2, 1, devices[1])]
         assert mc.view.pull("total") == [3, 3]
         # Nothing of the cluster (controller, mpiexec, engines) is reachable from
         # another machine: every listener is on loopback.
@@ -84,6 +88,7 @@ def test_missing_mpiexec(monkeypatch, tmp_path):
         launch.find_mpiexec()
 
 
+@pytest.mark.mpi
 def test_engines_that_die_during_start_report_their_log():
     # A Python that cannot find its standard library dies at once, like a broken env.
     with pytest.raises(ClusterError, match="exited during start") as info:
@@ -92,6 +97,7 @@ def test_engines_that_die_during_start_report_their_log():
     assert cl._current is None
 
 
+@pytest.mark.mpi
 def test_start_timeout_is_an_error_not_a_hang():
     with pytest.raises(ClusterError, match="registered within"):
         start_cluster(2, timeout=0.2)

@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pcourse.cluster.launch import mpirun
 from pcourse.collectives import (
     cost_model,
     cost_terms,
@@ -20,11 +19,10 @@ from pcourse.collectives import (
 SCRIPT = Path(__file__).parent / "mpi" / "check_collectives.py"
 
 
-@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
-def test_every_algorithm_equals_mpi_allreduce(p: int) -> None:
+@pytest.mark.parametrize("p", [1, 2, 3, *(pytest.param(p, marks=pytest.mark.slow) for p in (4, 5))])
+def test_every_algorithm_equals_mpi_allreduce(mpi_run, p: int) -> None:
     """One launch per p: all algorithms, ops, dtypes, lengths, modes, and the mismatch error."""
-    done = mpirun(p, [str(SCRIPT)], timeout=180)
-    assert f"collectives OK on {p} ranks" in done.stdout, done.stdout
+    mpi_run(p, SCRIPT.name, expect=f"collectives OK on {p} ranks", timeout=180)
 
 
 @pytest.mark.parametrize("fn", [tree_allreduce, ring_allreduce, recursive_doubling_allreduce])

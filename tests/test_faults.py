@@ -48,6 +48,7 @@ else:
 """
 
 
+@pytest.mark.mpi
 def test_a_hung_rank_is_found_within_the_collective_timeout(tmp_path: Path) -> None:
     script = tmp_path / "hung.py"
     script.write_text(HUNG)
@@ -104,6 +105,8 @@ def _wait_until(done, timeout: float) -> bool:
     return True
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 @pytest.mark.parametrize("ending", ["exit", "SIGINT", "SIGTERM", "SIGKILL"])
 def test_every_way_of_ending_the_owner_leaves_nothing_behind(ending: str) -> None:
     mark = uuid.uuid4().hex
@@ -124,6 +127,8 @@ def test_every_way_of_ending_the_owner_leaves_nothing_behind(ending: str) -> Non
             proc.kill()
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_stop_after_the_controller_was_killed_leaves_nothing_behind() -> None:
     mc = start_cluster(1)
     controller = psutil.Process(mc.cluster.controller.process.pid)
@@ -161,6 +166,8 @@ while True:
 """
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_an_interrupt_mid_allreduce_leaves_the_cluster_usable(mc) -> None:
     running = mc.view.execute(LOOP, block=False)
     time.sleep(1.0)
@@ -181,6 +188,8 @@ def test_an_interrupt_mid_allreduce_leaves_the_cluster_usable(mc) -> None:
     assert mc.view.apply_async(sum_of_ranks).get(timeout=30) == [3.0, 3.0]
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_interrupting_a_blocking_call_stops_the_engines_too(mc) -> None:
     """The stop button on ``mc.view.apply_sync(...)``: the engines stop with the cell."""
 
@@ -196,6 +205,8 @@ def test_interrupting_a_blocking_call_stops_the_engines_too(mc) -> None:
     assert mc.view.apply_async(os.getpid).get(timeout=15)  # nothing left queued ahead
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_an_interrupt_that_cannot_stop_a_rank_says_restart_and_restart_works(mc) -> None:
     # A raw MPI call that never completes: Python cannot interrupt it.
     mc.view.execute("from mpi4py import MPI\nimport time\n"

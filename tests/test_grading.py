@@ -243,6 +243,8 @@ def test_failures_are_explained_in_plain_words():
 
 # ---------------------------------------------------------------- grading (one nbval run)
 
+@pytest.mark.slow
+@pytest.mark.mpi
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("name", NAMES)
 def test_shipped_exercise_fails_as_unsolved(graded, name):
@@ -251,6 +253,8 @@ def test_shipped_exercise_fails_as_unsolved(graded, name):
     assert "not solved yet" in g.first_failure, g
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("name", NAMES)
 def test_injected_solution_passes(graded, name):
@@ -258,6 +262,8 @@ def test_injected_solution_passes(graded, name):
     assert g.ok and g.passed == g.total >= 3, g
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("name,label", [(n, label) for n in NAMES for label in WRONG[n]])
 def test_wrong_solution_fails(graded, name, label):

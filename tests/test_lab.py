@@ -1,7 +1,9 @@
-"""`make lab`, the front door: JupyterLab on 127.0.0.1 only, with a token, URL printed."""
+"""`make lab`, the front door: JupyterLab on 127.0.0.1 only, with a token, URL printed,
+serving the whole course (lessons, exercises, solutions) and landing on its index."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -12,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,7 +27,14 @@ def _get(url: str) -> int:
         return err.code
 
 
-def test_make_lab_serves_on_loopback_with_a_token(tmp_path):
+def _names(url: str) -> set[str]:
+    """The names in a folder, through JupyterLab's contents API."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return {item["name"] for item in json.load(response)["content"]}
+
+
+@pytest.mark.slow
+def test_make_lab_serves_the_course_on_loopback_with_a_token(tmp_path):
     log = tmp_path / "lab.log"
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
     with open(log, "w") as out:
@@ -35,16 +45,29 @@ def test_make_lab_serves_on_loopback_with_a_token(tmp_path):
         deadline = time.monotonic() + 120
         while url is None and time.monotonic() < deadline:
             assert proc.poll() is None, f"make lab exited early:\n{log.read_text()}"
-            m = re.search(r"(http://127\.0\.0\.1:(\d+)/lab\?token=\w+)", log.read_text())
+            m = re.search(r"(http://127\.0\.0\.1:(\d+)/lab/tree/index\.ipynb\?token=(\w+))",
+                          log.read_text())
             url = m.group(1) if m else None
             time.sleep(0.5)
-        assert url, f"no URL with a token printed within 120 s:\n{log.read_text()}"
+        assert url, f"no URL to the index with a token within 120 s:\n{log.read_text()}"
         port = int(re.search(r":(\d+)/", url).group(1))
+        token = url.rsplit("=", 1)[1]
         assert _get(url) == 200
         assert _get(f"http://127.0.0.1:{port}/api/contents") == 403  # no token: refused
-        servers = [p for p in psutil.Process(proc.pid).children(recursive=True)]
-        addrs = {c.laddr.ip for p in servers for c in p.net_connections("tcp")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        api = f"http://127.0.0.1:{port}/api/contents"
+        # the root is the course: every folder the README points to is reachable
+        assert {"index.ipynb", "notebooks", "exercises", "solutions"} <= _names(
+            f"{api}?token={token}")
+        for folder in ("notebooks", "exercises", "solutions"):
+            shipped = {p.name for p in (REPO / folder).glob("*.ipynb")}
+            assert shipped and shipped <= _names(f"{api}/{folder}?token={token}")
+        addrs = set()
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                addrs |= {c.laddr.ip for c in child.net_connections("tcp")
+                          if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+            except psutil.NoSuchProcess:  # a helper process that has just exited
+                continue
         assert addrs == {"127.0.0.1"}, f"listening on {addrs}, expected loopback only"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -33,6 +33,7 @@ def _script(tmp_path: Path, body: str) -> str:
     return str(path)
 
 
+@pytest.mark.mpi
 def test_rows_come_back_from_rank_zero_whatever_else_is_printed(tmp_path: Path) -> None:
     rows, output = mpirun_rows(3, [_script(tmp_path, REPORTS)], timeout=60)
     assert rows == [{"rank": r, "size": 3} for r in range(3)]
@@ -40,12 +41,14 @@ def test_rows_come_back_from_rank_zero_whatever_else_is_printed(tmp_path: Path) 
     assert not list(tmp_path.glob(".*"))  # the rows file lives in its own temporary folder
 
 
+@pytest.mark.mpi
 def test_a_job_that_reports_nothing_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(MPIJobError, match="reported no results") as info:
         mpirun_rows(2, [_script(tmp_path, "print('forgot to report')")], timeout=60)
     assert "forgot to report" in str(info.value)  # the output tail says what happened
 
 
+@pytest.mark.mpi
 def test_a_failing_rank_is_an_error_with_its_output(tmp_path: Path) -> None:
     body = "from mpi4py import MPI\nif MPI.COMM_WORLD.rank == 1: raise SystemExit('rank 1 gave up')"
     with pytest.raises(MPIJobError, match="exited with code") as info:
@@ -53,6 +56,7 @@ def test_a_failing_rank_is_an_error_with_its_output(tmp_path: Path) -> None:
     assert "rank 1 gave up" in str(info.value)
 
 
+@pytest.mark.mpi
 def test_the_deadline_kills_a_hung_job(tmp_path: Path) -> None:
     with pytest.raises(MPIJobError, match="did not finish within 3 s"):
         mpirun(2, [_script(tmp_path, "time.sleep(600)")], timeout=3)
@@ -96,18 +100,21 @@ def _listeners(tmp_path: Path, **kwargs) -> set[str]:
     return {ip for _, ip in ast.literal_eval(line.split(" ", 1)[1])}
 
 
+@pytest.mark.mpi
 def test_a_job_on_this_machine_listens_on_loopback_only(tmp_path: Path) -> None:
     # MPI's own connections (the ranks' netmod, mpiexec's port for its proxies)
     # would otherwise be open to the whole network the laptop is on.
     assert _listeners(tmp_path) <= {"127.0.0.1", "::1"}
 
 
+@pytest.mark.mpi
 def test_several_nodes_are_opted_in_with_a_hostfile(tmp_path: Path) -> None:
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
     assert _listeners(tmp_path, hostfile=hosts) - {"127.0.0.1", "::1"}  # reachable from others
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stopped_launcher_takes_its_job_with_it(tmp_path: Path, sig: int) -> None:
     """A closed terminal or a job scheduler stops the launcher: its ranks must not run on."""
@@ -132,6 +139,7 @@ def test_a_stopped_launcher_takes_its_job_with_it(tmp_path: Path, sig: int) -> N
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.mpi
 def test_a_rank_killed_by_a_signal_is_a_failure(tmp_path: Path) -> None:
     body = ("import os, signal\nfrom mpi4py import MPI\n"
             "if MPI.COMM_WORLD.rank == 1: os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(30)")
@@ -139,11 +147,12 @@ def test_a_rank_killed_by_a_signal_is_a_failure(tmp_path: Path) -> None:
         mpirun(2, [_script(tmp_path, body)], timeout=60)
 
 
+@pytest.mark.mpi
 def test_rows_reported_before_a_late_failure_are_not_lost(tmp_path: Path) -> None:
     body = REPORTS + "\ncomm.Barrier()\nif comm.rank == 1: raise SystemExit(3)\n"
-    with pytest.warns(UserWarning, match="reported its results, then failed"):
-        rows, _ = mpirun_rows(2, [_script(tmp_path, body)], timeout=60)
-    assert rows == [{"rank": r, "size": 2} for r in range(2)]
+    with pytest.raises(MPIJobError, match="exited with code 3") as info:
+        mpirun_rows(2, [_script(tmp_path, body)], timeout=60)
+    assert info.value.rows == [{"rank": r, "size": 2} for r in range(2)]
 
 
 def _running(pid: int) -> bool:

@@ -6,9 +6,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import cluster_processes
 
 
+@pytest.mark.mpi
 def test_guard_sees_an_orphaned_mpiexec_started_by_this_session():
     # A shell that starts mpiexec in the background and exits at once: the classic
     # orphan, re-parented to init, still carrying this session's marker.

@@ -1,7 +1,9 @@
-"""The install paths stay in step: pyproject.toml (pip) and environment.yml (conda)."""
+"""The install paths stay in step: pyproject.toml (pip), environment.yml (conda), the
+Makefile; every package the code imports is declared."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -63,3 +65,44 @@ def test_ci_runs_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     assert "make test" in readme and "make lab" in readme
     assert "exec make test" in (REPO / ".ci" / "run").read_text()
+
+
+# import name -> distribution that provides it, for every third-party import we use
+DISTRIBUTIONS = {"torch": "torch", "numpy": "numpy", "mpi4py": "mpi4py", "ipyparallel":
+                 "ipyparallel", "matplotlib": "matplotlib", "tqdm": "tqdm", "IPython": "ipython",
+                 "nbformat": "nbformat", "nbclient": "nbclient", "psutil": "psutil",
+                 "pytest": "pytest",
+                 "cupy": "cupy-cuda12x", "playwright": "playwright"}
+
+
+def _imported_modules(folder: Path) -> set[str]:
+    names = set()
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    local = {path.stem for path in folder.rglob("*.py")}  # conftest, tests/mpi/harness
+    return names - set(sys.stdlib_module_names) - local - {"pcourse", "__future__"}
+
+
+def test_every_imported_package_is_declared():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = {"package": {_name(r) for r in project["dependencies"]}}
+    declared["tests"] = declared["package"] | {
+        _name(r) for extra in project["optional-dependencies"].values() for r in extra}
+    for folder, allowed in (("pcourse", "package"), ("tests", "tests")):
+        for module in _imported_modules(REPO / folder):
+            assert module in DISTRIBUTIONS, f"{folder} imports {module}: add it to DISTRIBUTIONS"
+            wanted = DISTRIBUTIONS[module]
+            optional = module == "cupy"  # the gpu extra, imported only where CUDA is asked for
+            where = declared["tests"] if optional else declared[allowed]
+            assert wanted in where, f"{folder} imports {module}, but {wanted} is not declared"
+
+
+def test_requires_python_covers_what_the_code_uses():
+    spec = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert spec.replace(" ", "").startswith(">=3.11"), spec  # tests import tomllib
+    assert "python=3.11" in (REPO / "environment.yml").read_text()
+    assert "(3, 11)" in (REPO / "Makefile").read_text()  # the setup refuses older Pythons

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pcourse.backends import BACKENDS, backend_status
 from pcourse.checks import setup_check
+from pcourse.cluster.engines import ClusterError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,6 +33,8 @@ def test_verdict_needs_mpi_and_gloo(capsys):
     assert "NOT READY" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_command_line_check_is_ready_here():
     result = subprocess.run([sys.executable, "-m", "pcourse.checks.setup_check", "-n", "2"],
                             capture_output=True, text=True, timeout=300)
@@ -37,6 +44,8 @@ def test_command_line_check_is_ready_here():
     assert "allreduce over mpi         OK" in out and "allreduce over gloo        OK" in out
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_setup_notebook_passes_under_nbval_again():
     """The suite runs notebooks/ through nbval once; this is the second run in a row, so a
     first run that left state behind (a cluster, a file, a port) would fail here or there."""
@@ -47,3 +56,132 @@ def test_setup_notebook_passes_under_nbval_again():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+# Every NOT READY reason, reached the way a learner's machine would reach it. A reason
+# added to REASONS without a scenario here fails test_every_reason_has_a_scenario.
+class _Result:
+    def __init__(self, value=None, error=None):
+        self.value, self.error = value, error
+
+    def get(self, timeout):
+        if self.error:
+            raise self.error
+        return self.value
+
+
+class _FakeCluster:
+    """Two engines whose allreduce answers as told: per backend, a result or an error."""
+
+    n = 2
+
+    def __init__(self, answers):
+        self.view = self
+        self.answers = answers
+
+    def apply_async(self, fn, name):
+        return self.answers[name]
+
+
+def _smoke(answers):
+    return setup_check.smoke_test(_FakeCluster(answers), list(answers))
+
+
+def _no_mpiexec(monkeypatch):
+    def missing():
+        raise setup_check.MPINotFound("no mpiexec")
+
+    monkeypatch.setattr(setup_check, "find_mpiexec", missing)
+    return setup_check.run(2)
+
+
+def _cluster_fails(monkeypatch):
+    def boom(n):
+        raise ClusterError("the engines exited")
+
+    monkeypatch.setattr(setup_check, "start_cluster", boom)
+    return setup_check.run(2)
+
+
+def _unusable(backend):
+    def scenario(monkeypatch):
+        monkeypatch.setattr(setup_check, "unavailable_reason", lambda name: "not installed")
+        return setup_check.print_verdict({b: setup_check.OK for b in setup_check.NEEDED
+                                          if b != backend})
+    return scenario
+
+
+def _raises(monkeypatch):
+    ok = _Result([[3.0] * 5, [3.0] * 5])
+    return setup_check.print_verdict(_smoke({"mpi": ok, "gloo": _Result(
+        error=RuntimeError("Connection refused"))}))
+
+
+def _wrong(monkeypatch):
+    ok = _Result([[3.0] * 5, [3.0] * 5])
+    return setup_check.print_verdict(_smoke({"mpi": _Result([[2.0] * 5, [2.0] * 5]),
+                                             "gloo": ok}))
+
+
+def _hangs(monkeypatch):
+    import ipyparallel as ipp
+
+    ok = _Result([[3.0] * 5, [3.0] * 5])
+    return setup_check.print_verdict(_smoke({"mpi": _Result(error=ipp.error.TimeoutError()),
+                                             "gloo": ok}))
+
+
+SCENARIOS = {
+    "no-mpiexec": (_no_mpiexec, []),
+    "cluster-failed": (_cluster_fails, ["the engines exited"]),
+    "mpi-unusable": (_unusable("mpi"), ["not installed"]),
+    "gloo-unusable": (_unusable("gloo"), ["not installed"]),
+    "allreduce-failed": (_raises, ["gloo", "Connection refused"]),
+    "allreduce-wrong": (_wrong, ["mpi", "expected 3.0"]),
+    "allreduce-hung": (_hangs, ["mpi", f"{setup_check.SMOKE_TIMEOUT:.0f} s"]),
+    "not-tested": (_hangs, ["gloo"]),  # hung on mpi: gloo never ran
+}
+
+
+def test_every_reason_has_a_scenario():
+    assert set(SCENARIOS) == set(setup_check.REASONS)
+
+
+@pytest.mark.parametrize("code", sorted(SCENARIOS))
+def test_each_reason_prints_its_line_and_its_fix(code, monkeypatch, capsys):
+    scenario, details = SCENARIOS[code]
+    assert scenario(monkeypatch) is False
+    out = capsys.readouterr().out
+    line = next((x for x in out.splitlines() if x.startswith(f"NOT READY [{code}]: ")), None)
+    assert line, f"no NOT READY [{code}] line in:\n{out}"
+    for detail in details:
+        assert detail in line, f"{detail!r} missing from {line!r}"
+    assert f"  fix: {setup_check.REASONS[code].fix}" in out
+    assert "READY" not in out.replace("NOT READY", "")
+
+
+def test_not_ready_is_printed_only_through_the_reasons():
+    """A NOT READY line written anywhere else would escape the troubleshooting table."""
+    tree = ast.parse(Path(setup_check.__file__).read_text())
+    owner = {}
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef):
+            for node in ast.walk(fn):
+                owner.setdefault(id(node), fn.name)
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, ast.Module | ast.FunctionDef | ast.ClassDef) and n.body
+                  and isinstance(n.body[0], ast.Expr)}
+    places = {owner.get(id(n), "<module>") for n in ast.walk(tree)
+              if isinstance(n, ast.Constant) and isinstance(n.value, str)
+              and "NOT READY" in n.value and id(n) not in docstrings}
+    assert places == {"not_ready"}, f"NOT READY printed from {places}"
+
+
+def test_troubleshooting_table_has_every_reason_and_its_fix():
+    from pcourse.workshop.troubleshooting import table
+
+    rows = [r for r in table().splitlines()[2:]]
+    codes = [re.match(r"\| `([\w-]+)` \|", r).group(1) for r in rows]
+    assert codes == list(setup_check.REASONS)
+    for row, reason in zip(rows, setup_check.REASONS.values(), strict=True):
+        assert reason.fix.replace("|", "\\|") in row

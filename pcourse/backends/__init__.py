@@ -1,25 +1,21 @@
-"""One small allreduce interface, and the four real backends behind it.
-
-Data-parallel training needs very little from a communication library: know your
-rank, sum (or average) a tensor across ranks in place, broadcast a tensor from a
-root, wait at a barrier. Every backend here offers exactly that, so the training
-code, the benchmarks and the notebooks never care which one runs underneath.
+"""One small allreduce interface, and the four real backends behind it (lesson 04).
 
 =============  =========================================  ===========
 name           what it is                                 devices
 =============  =========================================  ===========
-mpi            mpi4py ``Allreduce`` on the tensor memory   CPU (+GPU*)
-mpi-pickle     mpi4py ``allreduce``: the source's way       CPU, GPU
+mpi            mpi4py ``Allreduce`` on the tensor memory   any (staged)
+mpi-pickle     mpi4py ``allreduce``: the source's way       any (staged)
 gloo           torch.distributed, Gloo                      CPU
 nccl           torch.distributed, NCCL                      GPU
 nccl-cupy      CuPy's NCCL bindings                         GPU
 =============  =========================================  ===========
 
-(*) the buffer path stages GPU tensors through host memory unless MPI is CUDA-aware.
-
-Every backend is bootstrapped from MPI, whatever it uses to communicate: MPI
-gives rank and size, and rank 0 broadcasts what the others need (NCCL's unique id,
-or the address and a free port for torch.distributed's rendezvous).
+:func:`make_backend` builds one by name, with the keywords every backend takes
+(``comm``, ``device``, ``timeout``: see :mod:`pcourse.backends.base`). The MPI and
+CuPy backends run on an MPI job; the torch ones also on a torch.distributed
+process group, under torchrun or torch.multiprocessing
+(:mod:`pcourse.backends.torch_dist`). :func:`unavailable_reason` says, without
+communicating, why this machine cannot run one.
 """
 
 from __future__ import annotations
@@ -27,13 +23,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 from pcourse.backends.base import (  # noqa: F401 - the interface, re-exported
     OPS,
     Backend,
     BackendUnavailable,
+    MismatchError,
     Work,
     check_avg_dtype,
     check_op,
@@ -52,19 +48,26 @@ _IMPLEMENTATIONS = {
 }
 
 
-def make_backend(name: str, **kwargs: object) -> Backend:
-    """Create the backend called ``name`` (see BACKENDS) on this MPI rank.
+def make_backend(name: str, **kwargs: Any) -> Backend:
+    """Create the backend called ``name`` (see BACKENDS) on this rank.
 
+    ``kwargs``: ``comm``, ``device``, ``timeout``, the same for every backend.
     Raises BackendUnavailable, with the reason, where this machine cannot run it.
     Creating a backend again in the same process (a re-run cell) is fine.
     """
-    if name not in _IMPLEMENTATIONS:
-        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    cls = backend_class(name)
     reason = unavailable_reason(name)
     if reason:
         raise BackendUnavailable(f"backend {name!r} cannot run here: {reason}")
+    return cls(**kwargs)
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class of backend ``name``; importing it touches neither CuPy nor CUDA."""
+    if name not in _IMPLEMENTATIONS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
     module, cls = _IMPLEMENTATIONS[name]
-    return getattr(importlib.import_module(module), cls)(**kwargs)
+    return getattr(importlib.import_module(module), cls)
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ class BackendStatus:
 
 
 def _cuda_reason() -> str:
+    import torch  # here, not at the top: a launcher lists the backends without loading torch
+
     if not torch.cuda.is_available():
         if torch.version.cuda is None:
             return "torch is a CPU-only build (no CUDA)"
@@ -143,6 +148,6 @@ def backend_status() -> list[BackendStatus]:
         if reason:
             rows.append(BackendStatus(name, False, reason))
         else:
-            on = "GPU" if name.startswith("nccl") else "CPU"
+            on = "GPU" if backend_class(name).needs_gpu else "CPU"
             rows.append(BackendStatus(name, True, f"runs on {on}"))
     return rows

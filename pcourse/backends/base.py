@@ -4,15 +4,34 @@ Data-parallel training needs very little from a communication library: know your
 rank, sum (or average) a tensor across ranks in place, broadcast a tensor from a
 root, wait at a barrier. :class:`Backend` is exactly that, so the training code,
 the benchmarks and the notebooks never care which library runs underneath.
+
+Every collective first checks, on every rank, that all ranks passed the same length
+and dtype (and op, or root), with one tiny allreduce (:func:`pcourse.utils.agree.agree`):
+a mismatch is the same clear error on every rank instead of a hang or garbage.
+Callers that already know the ranks agree, such as a bucket layout checked once,
+pass ``check=False``.
+
+Every backend is built with the same keywords: ``comm`` (what the ranks talk over;
+default: the whole job), ``device`` (default: this rank's own) and ``timeout``
+(seconds a collective may take, where the library can enforce one).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
+
+if TYPE_CHECKING:  # annotations only: listing the backends loads no torch
+    import torch
+
+from pcourse.utils.agree import MismatchError, agree
 
 OPS = ("sum", "avg", "max", "min", "prod")
+
+__all__ = ["OPS", "AsyncBackend", "Backend", "BackendUnavailable", "MismatchError", "Work",
+           "check_avg_dtype", "check_op"]
 
 
 class BackendUnavailable(RuntimeError):
@@ -45,6 +64,21 @@ def check_avg_dtype(tensor: torch.Tensor, op: str) -> None:
         )
 
 
+def private_comm(comm: Any, name: str) -> Any:
+    """A duplicate of MPI communicator ``comm`` (default COMM_WORLD) for one backend.
+
+    A duplicate, not ``comm`` itself: the backend's messages never mix with anyone
+    else's, and ``close()`` can free it (a re-run cell makes a fresh one).
+    """
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if not isinstance(comm, MPI.Comm):
+        raise TypeError(f"backend {name!r} bootstraps from MPI: comm must be an mpi4py "
+                        f"communicator, got {type(comm).__name__}")
+    return comm.Dup()
+
+
 class Backend(ABC):
     """What data-parallel training needs from a communication library."""
 
@@ -52,25 +86,31 @@ class Backend(ABC):
     rank: int
     size: int
     device: torch.device  # where this backend wants the tensors it reduces
+    any_device: bool = False  # True: takes tensors on any device (stages them itself)
+    needs_gpu: bool = False  # True: runs only with one GPU per rank
 
     @abstractmethod
-    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", *,
+                  check: bool = True) -> torch.Tensor:
         """Reduce ``tensor`` across all ranks, in place; return it.
 
         ``op`` is one of sum, avg, max, min, prod. ``avg`` is sum divided by size.
+        ``check=False`` skips the agreement check (see the module docstring).
         """
 
-    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Work:
+    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum", *,
+                        check: bool = True) -> Work:
         """Start an in-place allreduce; the result is valid after ``wait()``.
 
         Backends with non-blocking collectives override this; the default is
         blocking, which is always correct.
         """
-        self.allreduce(tensor, op)
+        self.allreduce(tensor, op, check=check)
         return Work()
 
     @abstractmethod
-    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, *,
+                  check: bool = True) -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with root's, in place; return it."""
 
     @abstractmethod
@@ -81,6 +121,48 @@ class Backend(ABC):
         """Release communicators; the backend must not be used afterwards."""
         return None
 
+    def _check_tensor(self, tensor: torch.Tensor, op: str | None) -> None:
+        """This backend's local refusals (a device it cannot use, a dtype it lacks)."""
+        return None
+
+    def _agree(self, tensor: torch.Tensor, check: bool, *, op: str | None = None,
+               root: int | None = None) -> None:
+        """Local checks, then (``check``) one tiny allreduce: every rank passed the same.
+
+        A rank whose input fails the local checks still joins the allreduce, so that
+        every rank raises (this one its own error, the others a MismatchError).
+        """
+        import torch  # here, not at import: listing the backends loads no torch
+
+        kind, last = ("allreduce", "op") if root is None else ("broadcast", "root")
+        facts: dict[str, int | str] = {"length": 0, "dtype": "", last: 0}  # until checked
+        try:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+            if root is None:
+                check_op(op)
+                check_avg_dtype(tensor, op)
+            elif isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.size:
+                raise ValueError(f"root must be a rank from 0 to {self.size - 1}, got {root!r}")
+            self._check_tensor(tensor, op)
+            facts = {"length": tensor.numel(), "dtype": str(tensor.dtype).removeprefix("torch."),
+                     last: op if root is None else root}
+        except (ValueError, TypeError):
+            if check:
+                agree(facts, self.max_over_ranks, subject="", hint="", refused=True)
+            raise
+        if check:
+            agree(facts, self.max_over_ranks,
+                  subject=f"{kind} needs the same length, dtype and {last} on every rank",
+                  hint="Call it with equally sized tensors of one dtype on every rank.")
+
+    def max_over_ranks(self, v: np.ndarray) -> np.ndarray:
+        """The elementwise max over ranks of a small int64 vector (for agreement checks)."""
+        import torch
+
+        t = torch.from_numpy(v).to("cpu" if self.any_device else self.device)
+        return self.allreduce(t, "max", check=False).cpu().numpy()
+
     def __enter__(self) -> Backend:
         return self
 
@@ -89,3 +171,17 @@ class Backend(ABC):
 
     def __repr__(self) -> str:
         return f"<{self.name} backend rank {self.rank}/{self.size} on {self.device}>"
+
+
+class AsyncBackend(Backend):
+    """A backend whose allreduce is non-blocking underneath: blocking = start, then wait."""
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", *,
+                  check: bool = True) -> torch.Tensor:
+        self.allreduce_async(tensor, op, check=check).wait()
+        return tensor
+
+    @abstractmethod
+    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum", *,
+                        check: bool = True) -> Work:
+        """Start an in-place allreduce; the result is valid after ``wait()``."""

@@ -1,4 +1,4 @@
-"""NCCL through CuPy's bindings: the source's GPU backend, bootstrapped from MPI.
+"""NCCL through CuPy's bindings (lesson 04): the source's GPU backend, bootstrapped from MPI.
 
 NCCL needs every rank to start from the same 128-byte "unique id". Rank 0 makes it
 with ``nccl.get_unique_id()``, MPI broadcasts it, and each process builds one
@@ -13,11 +13,12 @@ laptop without CUDA, where CuPy may be missing or fail at its first CUDA call.
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import torch
 
-from pcourse.backends.base import Backend, BackendUnavailable, check_avg_dtype, check_op
+from pcourse.backends.base import Backend, BackendUnavailable, private_comm
 
 # torch dtype -> name of the constant in cupy.cuda.nccl (looked up lazily).
 DTYPES = {
@@ -40,33 +41,35 @@ class CupyNCCLBackend(Backend):
     """NCCL via ``cupy.cuda.nccl``: GPU tensors, one GPU per rank."""
 
     name = "nccl-cupy"
+    needs_gpu = True
 
-    def __init__(self, comm: Any = None, timeout: float | None = None) -> None:
+    def __init__(self, comm: Any = None, *, device: str | torch.device | None = None,
+                 timeout: float | None = None) -> None:
         global _current
         from pcourse.backends import unavailable_reason
 
         reason = unavailable_reason("nccl-cupy")  # local checks: fails fast, alone
         if reason:
             raise BackendUnavailable(f"backend 'nccl-cupy' cannot run here: {reason}")
+        import cupy
         from cupy.cuda import nccl
-        from mpi4py import MPI
 
-        from pcourse.backends.torch_dist import local_gpu
+        from pcourse.backends.torch_dist import pick_gpu, socket_ifname
 
         self._nccl = nccl
         self.timeout = timeout  # NCCL via CuPy has none; the launch deadline applies
-        mpi = (MPI.COMM_WORLD if comm is None else comm).Dup()
+        mpi = private_comm(comm, self.name)
         try:
             self.rank, self.size = mpi.Get_rank(), mpi.Get_size()
-            self.device = local_gpu(mpi, self.name)
-            import cupy
-
+            self.device = pick_gpu(self.name, device, mpi)
             cupy.cuda.Device(self.device.index).use()
             if _current is not None:
                 _current.close()
-            uid = nccl.get_unique_id() if self.rank == 0 else None
-            uid = mpi.bcast(uid, root=0)
-            self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+            one_host = len(set(mpi.allgather(socket.gethostname()))) == 1
+            with socket_ifname("NCCL_SOCKET_IFNAME", one_host):  # NCCL's bootstrap listener
+                uid = nccl.get_unique_id() if self.rank == 0 else None
+                uid = mpi.bcast(uid, root=0)
+                self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
         finally:
             mpi.Free()
         _current = self
@@ -76,44 +79,47 @@ class CupyNCCLBackend(Backend):
             raise RuntimeError("this nccl-cupy backend was closed or replaced; use the newest")
         return self._comm
 
-    def _dtype(self, tensor: torch.Tensor) -> int:
-        const = DTYPES.get(tensor.dtype)
+    def _dtype(self, dtype: torch.dtype) -> int:
+        const = DTYPES.get(dtype)
         if const is None or not hasattr(self._nccl, const):
             supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPES
                                   if hasattr(self._nccl, DTYPES[d]))
-            raise TypeError(f"nccl-cupy cannot reduce {tensor.dtype}; supported: {supported}")
+            raise TypeError(f"nccl-cupy cannot reduce {dtype}; supported: {supported}")
         return getattr(self._nccl, const)
 
-    def _buffer(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _check_tensor(self, tensor: torch.Tensor, op: str | None) -> None:
         if tensor.device != self.device:
             raise ValueError(
                 f"nccl-cupy works on tensors on {self.device}, got one on {tensor.device}; "
                 f"move it with .to({str(self.device)!r})"
             )
-        t = tensor.detach()
-        return t if t.is_contiguous() else t.contiguous()
+        if op is not None:
+            self._dtype(tensor.dtype)
 
-    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        check_op(op)
-        check_avg_dtype(tensor, op)
-        dtype = self._dtype(tensor)
-        buf = self._buffer(tensor)
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", *,
+                  check: bool = True) -> torch.Tensor:
+        self._agree(tensor, check, op=op)
+        t = tensor.detach()
+        buf = t if t.is_contiguous() else t.contiguous()
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        self._live().allReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), dtype,
-                               getattr(self._nccl, _OPS[op]), stream)
+        self._live().allReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(),
+                               self._dtype(buf.dtype), getattr(self._nccl, _OPS[op]), stream)
         if op == "avg":
             buf.div_(self.size)  # same stream: runs after the reduction
         if buf.data_ptr() != tensor.data_ptr():
             tensor.detach().copy_(buf)
         return tensor
 
-    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-        buf = self._buffer(tensor)
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, *,
+                  check: bool = True) -> torch.Tensor:
+        self._agree(tensor, check, root=root)
+        t = tensor.detach()
+        buf = t if t.is_contiguous() else t.contiguous()
         # A broadcast moves bytes: types NCCL does not know travel as uint8.
         const = DTYPES.get(buf.dtype)
         raw = buf if const and hasattr(self._nccl, const) else buf.view(torch.uint8)
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        self._live().bcast(raw.data_ptr(), raw.numel(), self._dtype(raw), root, stream)
+        self._live().bcast(raw.data_ptr(), raw.numel(), self._dtype(raw.dtype), root, stream)
         if buf.data_ptr() != tensor.data_ptr():
             tensor.detach().copy_(buf)
         return tensor
@@ -121,7 +127,7 @@ class CupyNCCLBackend(Backend):
     def barrier(self) -> None:
         # An allreduce of one element: returns only once every rank has joined it.
         flag = torch.ones(1, device=self.device)
-        self.allreduce(flag)
+        self.allreduce(flag, check=False)
         torch.cuda.current_stream(self.device).synchronize()
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""Allreduce over MPI with mpi4py, two ways: the source's (pickle) and in place (buffer).
+"""Allreduce over MPI with mpi4py, two ways (lesson 04): the source's (pickle) and in place.
 
 mpi4py has two APIs. Lowercase methods (``comm.allreduce(obj)``) take any Python
 object: they pickle it, send the bytes, unpickle, and reduce with Python operators.
@@ -8,11 +8,12 @@ to the CPU, serialises it and allocates a new one. Uppercase methods
 the buffer protocol: no pickling, no new tensor, which is why the buffer backend is
 the fast one on CPU.
 
-MPI has no timeouts of its own: a rank that never joins a collective blocks the
-others forever. The buffer backend's allreduce waits through
+Both take tensors on any device: what MPI cannot read in place is staged through
+host memory. MPI has no timeouts of its own: a rank that never joins a collective
+blocks the others forever. The buffer backend's allreduce waits through
 ``pcourse.cluster.interrupts.wait_request``: an interrupt stops it, and ``timeout``
 seconds without the other ranks raise CollectiveTimeout. Elsewhere the deadline
-comes from the launch (``pcourse.cluster.launch.mpirun`` kills the whole job).
+comes from the launch (``pcourse.cluster.launch.mpirun``, the engine cluster).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pcourse.backends.base import Backend, Work, check_avg_dtype, check_op
+from pcourse.backends.base import AsyncBackend, Backend, Work, private_comm
 from pcourse.cluster.interrupts import wait_request
 
 
@@ -34,29 +35,24 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _check_reducible(tensor: torch.Tensor, op: str) -> None:
-    check_op(op)
-    check_avg_dtype(tensor, op)
-    if tensor.dtype == torch.bool:
-        raise TypeError("cannot sum or multiply bool tensors across ranks; convert to uint8")
-
-
 class _MPICommBackend(Backend):
     """What both MPI modes share: a private communicator and barrier."""
 
-    def __init__(
-        self, comm: Any = None, device: str | torch.device | None = None,
-        timeout: float | None = None,
-    ) -> None:
+    any_device = True
+
+    def __init__(self, comm: Any = None, *, device: str | torch.device | None = None,
+                 timeout: float | None = None) -> None:
         from mpi4py import MPI
 
         self._MPI = MPI
-        # A duplicate, not COMM_WORLD itself: our messages never mix with anyone
-        # else's, and close() can free it (a re-run cell makes a fresh one).
-        self.comm = (MPI.COMM_WORLD if comm is None else comm).Dup()
+        self.comm = private_comm(comm, self.name)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.device = torch.device(device) if device is not None else _default_device()
         self.timeout = timeout  # see the module docstring: the launch enforces it
+
+    def _check_tensor(self, tensor: torch.Tensor, op: str | None) -> None:
+        if op is not None and tensor.dtype == torch.bool:
+            raise TypeError("cannot reduce bool tensors across ranks; convert to uint8")
 
     def barrier(self) -> None:
         self._live().Barrier()
@@ -72,7 +68,7 @@ class _MPICommBackend(Backend):
         self.comm = None
 
 
-class MPIBackend(_MPICommBackend):
+class MPIBackend(_MPICommBackend, AsyncBackend):
     """Uppercase ``Allreduce``/``Bcast`` directly on the tensor's memory.
 
     A contiguous CPU tensor is reduced where it lies (numpy shares its memory).
@@ -84,12 +80,9 @@ class MPIBackend(_MPICommBackend):
 
     name = "mpi"
 
-    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        self.allreduce_async(tensor, op).wait()
-        return tensor
-
-    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Work:
-        _check_reducible(tensor, op)
+    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum", *,
+                        check: bool = True) -> Work:
+        self._agree(tensor, check, op=op)
         host, staged = self._host_buffer(tensor, reduce=True)
         request = self._live().Iallreduce(self._MPI.IN_PLACE, host.numpy(), self._op(op))
 
@@ -101,7 +94,9 @@ class MPIBackend(_MPICommBackend):
 
         return _RequestWork(request, finish, keep=(tensor, host), timeout=self.timeout)
 
-    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, *,
+                  check: bool = True) -> torch.Tensor:
+        self._agree(tensor, check, root=root)
         host, staged = self._host_buffer(tensor, reduce=False)
         raw = host
         if raw.dtype == torch.bfloat16:
@@ -165,24 +160,27 @@ class MPIPickleBackend(_MPICommBackend):
 
     name = "mpi-pickle"
 
-    def __init__(self, comm: Any = None, device: str | torch.device | None = None,
+    def __init__(self, comm: Any = None, *, device: str | torch.device | None = None,
                  timeout: float | None = None) -> None:
-        super().__init__(comm, device, timeout)
+        super().__init__(comm, device=device, timeout=timeout)
         MPI = self._MPI
         self._max = MPI.Op.Create(lambda a, b, _t=None: torch.maximum(a, b), commute=True)
         self._min = MPI.Op.Create(lambda a, b, _t=None: torch.minimum(a, b), commute=True)
         self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "max": self._max, "min": self._min,
                      "prod": MPI.PROD}
 
-    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        _check_reducible(tensor, op)
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", *,
+                  check: bool = True) -> torch.Tensor:
+        self._agree(tensor, check, op=op)
         result = self._live().allreduce(tensor.detach().cpu(), op=self._ops[op])
         if op == "avg":
             result = result / self.size
         tensor.detach().copy_(result)
         return tensor
 
-    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, *,
+                  check: bool = True) -> torch.Tensor:
+        self._agree(tensor, check, root=root)
         mine = tensor.detach().cpu() if self.rank == root else None
         tensor.detach().copy_(self._live().bcast(mine, root=root))
         return tensor

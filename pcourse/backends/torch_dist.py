@@ -1,84 +1,132 @@
-"""Gloo and NCCL through torch.distributed, bootstrapped from MPI.
+"""Gloo and NCCL through torch.distributed (lesson 04).
 
-torch.distributed needs every process to know its rank, the world size, and where
-to meet (a TCP "store" run by rank 0). Launchers such as torchrun provide these
-through environment variables; here MPI already knows rank and size, so rank 0
-chooses the meeting point and broadcasts it over MPI:
+torch.distributed needs every process to know its rank, the world size, and where to
+meet (a TCP "store" run by rank 0). A backend finds them in the first of these that
+applies:
 
-- address: ``MASTER_ADDR`` if set; else the address of the interface named by
-  ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``; else 127.0.0.1 when every rank
-  runs on this host; else this host's resolvable address.
-- port: ``MASTER_PORT`` if set (it must be free); else a free port the operating
-  system picks. The source hard-codes 29500, which breaks as soon as two people
-  (or two notebooks) share a machine.
+1. ``comm`` is a torch.distributed process group: the backend runs on that group.
+2. No ``comm``, not launched by mpiexec, and torch.distributed is set up already or
+   torchrun's variables are set: torch's own default group (``env://`` under torchrun).
+   So the backends work under ``torchrun`` and ``torch.multiprocessing`` without MPI.
+3. Otherwise MPI (``comm``, default COMM_WORLD) gives rank and size, and rank 0 opens
+   the store and broadcasts where it is (:func:`rendezvous`):
 
-Every collective has a deadline: the ``timeout`` given here is the process group's
-timeout, after which a stuck collective raises instead of hanging.
+   - address: ``MASTER_ADDR`` if set; else the address of the interface named by
+     ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``; else 127.0.0.1 when every rank
+     runs on this host; else this host's resolvable address.
+   - port: ``MASTER_PORT`` if set (it must be free); else a free port the operating
+     system picks. The source hard-codes 29500, which breaks as soon as two people
+     (or two notebooks) share a machine.
+
+   Rank 0 listens on that address only, and every rank learns whether the store
+   opened, so a bad ``MASTER_PORT`` is the same error on every rank, not a hang.
+
+Nothing listens beyond this machine unless a run asks for it: when the meeting
+address is a loopback address, Gloo and NCCL bind to the loopback interface too,
+unless ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` name another (lesson 09).
+
+Every collective has a deadline: ``timeout`` is the process group's timeout, after
+which a stuck collective raises instead of hanging.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-from pcourse.backends.base import Backend, BackendUnavailable, Work, check_avg_dtype, check_op
+from pcourse.backends.base import AsyncBackend, BackendUnavailable, Work, private_comm
+from pcourse.cluster.rankinfo import gpu_for, launcher, mpi_local_rank, use_gpu
 
 DEFAULT_TIMEOUT = 120.0  # seconds per collective (and for the rendezvous)
 
-# torch.distributed has one default process group per process. The first backend
-# creates it from the MPI rendezvous; every backend object then gets its *own* group
-# on top of it with ``new_group``. So a re-run notebook cell simply makes another
-# group, and gloo, nccl and an older gloo object can all live at once. The default
-# group goes when the last backend that needed it is closed. Pass ``backend.group``
-# to code that takes a process group (DDP's ``process_group=``).
+# torch.distributed has one default process group per process. The first backend that
+# needs it creates it; every backend object then gets its *own* group on top of it with
+# ``new_group``. So a re-run notebook cell simply makes another group, and gloo, nccl
+# and an older gloo object can all live at once. The default group goes when the last
+# backend that needed it is closed, if a backend created it. Pass ``backend.group`` to
+# code that takes a process group (DDP's ``process_group=``).
 _users = 0
 _own_default = False
-_address = ""
+_address = ""  # host:port of the default group's store, where the ranks met
 
 
-class _TorchBackend(Backend):
+class _TorchBackend(AsyncBackend):
     dist_backend: str  # "gloo" or "nccl"
     ifname_var: str  # the environment variable naming the socket interface
 
-    def __init__(self, comm: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, comm: Any = None, *, device: str | torch.device | None = None,
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
         global _users
         import torch.distributed as dist
-        from mpi4py import MPI
 
         self._dist = dist
         self.timeout = timeout
         self.group = None
-        mpi = (MPI.COMM_WORLD if comm is None else comm).Dup()
+        self._owns_group = not isinstance(comm, dist.ProcessGroup)
+        if not self._owns_group:  # 1. the caller's group, used as it is
+            self.rank, self.size = dist.get_rank(comm), dist.get_world_size(comm)
+            self.device = self._pick_device(device, None)
+            self.group, self.address = comm, _address
+            return
+        if comm is None and launcher() != "mpi" and (dist.is_initialized()
+                                                     or launcher() == "torchrun"):
+            self._from_torch(device)  # 2. torchrun, torch.multiprocessing
+        else:
+            self._from_mpi(comm, device)  # 3. the MPI bootstrap
+        self.address = _address
+        with socket_ifname(self.ifname_var, _is_loopback(_address.rpartition(":")[0])):
+            self.group = dist.new_group(backend=self.dist_backend,
+                                        timeout=timedelta(seconds=timeout))
+            _users += 1
+            self._connect()
+
+    def _from_torch(self, device: str | torch.device | None) -> None:
+        global _own_default, _address
+        dist = self._dist
+        if not dist.is_initialized():
+            master = os.environ.get("MASTER_ADDR", "")
+            with socket_ifname(self.ifname_var, _is_loopback(master)):
+                dist.init_process_group(_default_kind(), init_method="env://",
+                                        timeout=timedelta(seconds=self.timeout))
+            _own_default = True
+            _address = f"{master}:{os.environ.get('MASTER_PORT', '')}"
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.device = self._pick_device(device, None)
+
+    def _from_mpi(self, comm: Any, device: str | torch.device | None) -> None:
+        mpi = private_comm(comm, self.name)
         try:
             self.rank, self.size = mpi.Get_rank(), mpi.Get_size()
-            self.device = self._pick_device(mpi)
-            _ensure_default_group(mpi, self.ifname_var, timeout)
+            self.device = self._pick_device(device, mpi)
+            _ensure_default_group(mpi, self.ifname_var, self.timeout)
         finally:
             mpi.Free()
-        self.group = dist.new_group(backend=self.dist_backend,
-                                    timeout=timedelta(seconds=timeout))
-        _users += 1
-        self.address = _address  # where the ranks met (host:port of rank 0's store)
 
-    def _pick_device(self, mpi: Any) -> torch.device:
+    def _pick_device(self, device: str | torch.device | None, mpi: Any) -> torch.device:
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"{self.name} reduces CPU tensors; got device={device!r}")
         return torch.device("cpu")
+
+    def _connect(self) -> None:
+        """Open the group's connections now, while the socket interface is chosen."""
+        return None  # Gloo connects when the group is made
 
     def _live(self) -> Any:
         if self.group is None:
             raise RuntimeError(f"this {self.name} backend was closed; create a new one")
         return self.group
 
-    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        self.allreduce_async(tensor, op).wait()
-        return tensor
-
-    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Work:
-        check_op(op)
-        check_avg_dtype(tensor, op)
+    def allreduce_async(self, tensor: torch.Tensor, op: str = "sum", *,
+                        check: bool = True) -> Work:
+        self._agree(tensor, check, op=op)
         group = self._live()
         native_avg = op == "avg" and self.dist_backend == "nccl"
         buf = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
@@ -87,9 +135,13 @@ class _TorchBackend(Backend):
         divide = op == "avg" and not native_avg
         return _TorchWork(handle, tensor, buf, self.size if divide else 0)
 
-    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, *,
+                  check: bool = True) -> torch.Tensor:
+        self._agree(tensor, check, root=root)
         buf = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
-        self._dist.broadcast(buf, src=root, group=self._live())
+        # torch names the root by its rank in the default group; ours may be a subgroup.
+        src = self._dist.get_global_rank(self._live(), root)
+        self._dist.broadcast(buf, src=src, group=self._live())
         if buf.data_ptr() != tensor.data_ptr():
             tensor.detach().copy_(buf)
         return tensor
@@ -100,6 +152,9 @@ class _TorchBackend(Backend):
     def close(self) -> None:
         global _users, _own_default
         if self.group is None:
+            return
+        if not self._owns_group:  # the caller's group: the caller closes it
+            self.group = None
             return
         # Ranks that tear Gloo down while a peer is still finishing its last
         # collective can abort ("terminate called without an active exception"):
@@ -153,49 +208,88 @@ class NCCLBackend(_TorchBackend):
     name = "nccl"
     dist_backend = "nccl"
     ifname_var = "NCCL_SOCKET_IFNAME"
+    needs_gpu = True
 
-    def __init__(self, comm: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, comm: Any = None, *, device: str | torch.device | None = None,
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
         from pcourse.backends import unavailable_reason
 
-        reason = unavailable_reason("nccl")  # before any MPI call: fails fast, alone
+        reason = unavailable_reason("nccl")  # before any communication: fails fast, alone
         if reason:
             raise BackendUnavailable(f"backend 'nccl' cannot run here: {reason}")
-        super().__init__(comm, timeout)
+        super().__init__(comm, device=device, timeout=timeout)
 
-    def _pick_device(self, mpi: Any) -> torch.device:
-        return local_gpu(mpi, "nccl")
+    def _pick_device(self, device: str | torch.device | None, mpi: Any) -> torch.device:
+        return pick_gpu(self.name, device, mpi)
+
+    def _check_tensor(self, tensor: torch.Tensor, op: str | None) -> None:
+        if tensor.device != self.device:
+            raise ValueError(f"nccl works on tensors on {self.device}, got one on "
+                             f"{tensor.device}; move it with .to({str(self.device)!r})")
+
+    def _connect(self) -> None:
+        # NCCL opens its sockets at the first collective: make that happen here.
+        self.barrier()
 
     def barrier(self) -> None:
         self._dist.barrier(group=self._live(), device_ids=[self.device.index])
 
 
-def local_gpu(mpi: Any, name: str) -> torch.device:
+def pick_gpu(name: str, device: str | torch.device | None, mpi: Any) -> torch.device:
+    """The GPU backend ``name`` uses on this rank, made the current device.
+
+    ``device`` if given; else, bootstrapped from MPI, the GPU of the local rank with
+    every rank checking that no two share one (:func:`local_gpu`); else torchrun's
+    ``LOCAL_RANK``, or the device the caller made current.
+    """
+    if device is not None:
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"{name} runs on GPUs; got device={device!r}")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+    elif mpi is not None:
+        return local_gpu(mpi.allgather, mpi_local_rank(mpi)[0], name)
+    elif "LOCAL_RANK" in os.environ:
+        index = gpu_for(int(os.environ["LOCAL_RANK"]))
+    else:
+        index = torch.cuda.current_device()
+    use_gpu(index)
+    return torch.device("cuda", index)
+
+
+def local_gpu(allgather: Callable[[Any], list], local_rank: int, name: str) -> torch.device:
     """This rank's own GPU; BackendUnavailable on every rank if two ranks share one.
 
     NCCL refuses two ranks on one GPU ("Duplicate GPU"). Local rank i takes GPU
-    i mod (visible GPUs), as ``init_rank`` does; the GPUs' UUIDs are then compared
-    across ranks, which also works when a launcher gives each rank its own
-    CUDA_VISIBLE_DEVICES. The decision is collective, so all ranks raise together.
+    :func:`~pcourse.cluster.rankinfo.gpu_for` (i); the GPUs' UUIDs are then compared
+    across ranks (``allgather``), which also works when a launcher gives each rank
+    its own CUDA_VISIBLE_DEVICES. The decision is collective, so all ranks raise together.
     """
-    from mpi4py import MPI
-
-    node = mpi.Split_type(MPI.COMM_TYPE_SHARED, key=mpi.Get_rank())
-    local_rank, local_size = node.Get_rank(), node.Get_size()
-    node.Free()
-    ngpu = torch.cuda.device_count()
-    index = local_rank % max(ngpu, 1)
-    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", index)) if ngpu else ""
-    everyone = mpi.allgather((socket.gethostname(), uuid))
+    index = gpu_for(local_rank)
+    uuid = "" if index is None else str(getattr(torch.cuda.get_device_properties(index),
+                                                "uuid", index))
+    everyone = allgather((socket.gethostname(), uuid))
     # Every rank sees the same list, so every rank takes the same decision.
     crowded = sorted({h for h, u in everyone if u == "" or everyone.count((h, u)) > 1})
     if crowded:
+        here = sum(h == socket.gethostname() for h, _ in everyone)
         raise BackendUnavailable(
             f"backend {name!r} needs one GPU per rank, but ranks on {', '.join(crowded)} "
-            f"would share a GPU or have none (this host: {local_size} ranks, {ngpu} GPUs); "
-            "start at most one rank per GPU"
+            f"would share a GPU or have none (this host: {here} ranks, "
+            f"{torch.cuda.device_count()} GPUs); start at most one rank per GPU"
         )
-    torch.cuda.set_device(index)
+    use_gpu(index)
     return torch.device("cuda", index)
+
+
+def _default_kind() -> str:
+    # CPU tensors on the default group go through Gloo, CUDA tensors through NCCL
+    # (created lazily, on first use), so code such as DDP that uses the default
+    # group works on either device; our backends use their own groups.
+    import torch.distributed as dist
+
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() \
+        else "gloo"
 
 
 def _ensure_default_group(mpi: Any, ifname_var: str, timeout: float) -> None:
@@ -219,30 +313,75 @@ def _ensure_default_group(mpi: Any, ifname_var: str, timeout: float) -> None:
             "than this MPI job; call torch.distributed.destroy_process_group() on every "
             "rank, then create the backend again"
         )
-    addr, port = rendezvous_address(mpi, ifname_var)
-    # CPU tensors on the default group go through Gloo, CUDA tensors through NCCL
-    # (created lazily, on first use), so code such as DDP that uses the default
-    # group works on either device; our backends use their own groups.
-    kind = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() \
-        else "gloo"
-    dist.init_process_group(kind, init_method=f"tcp://{addr}:{port}", rank=mpi.Get_rank(),
-                            world_size=mpi.Get_size(), timeout=timedelta(seconds=timeout))
-    _own_default, _address = True, f"{addr}:{port}"
+    store, address = rendezvous(mpi, ifname_var, timeout)
+    with socket_ifname(ifname_var, _is_loopback(address.rpartition(":")[0])):
+        _everyone(mpi, lambda: dist.init_process_group(
+            _default_kind(), store=store, rank=mpi.Get_rank(), world_size=mpi.Get_size(),
+            timeout=timedelta(seconds=timeout)))
+    _own_default, _address = True, address
 
 
-def rendezvous_address(mpi: Any, ifname_var: str) -> tuple[str, int]:
-    """Rank 0's address and a free port, the same on every rank (broadcast over MPI)."""
+def rendezvous(mpi: Any, ifname_var: str, timeout: float) -> tuple[Any, str]:
+    """Rank 0 opens the store; every rank gets a client of it and its ``host:port``.
+
+    Rank 0's failure (a busy or invalid MASTER_PORT, an address it cannot listen on)
+    is broadcast, and a rank that cannot reach the store says so to all the others:
+    every rank raises the same error.
+    """
+    from torch.distributed import TCPStore
+
+    _everyone(mpi, lambda: _check_interface(ifname_var))
     hosts = mpi.allgather(socket.gethostname())
     answer: tuple[str, int] | str = ("", 0)
+    store = None
     if mpi.Get_rank() == 0:
         try:
-            answer = (_pick_address(len(set(hosts)) == 1, ifname_var), _pick_port())
-        except (OSError, ValueError) as exc:
+            addr = _pick_address(len(set(hosts)) == 1, ifname_var)
+            listener = _pick_port(addr)
+            port = listener.getsockname()[1]
+            try:
+                store = TCPStore(addr, port, mpi.Get_size(), True, timedelta(seconds=timeout),
+                                 wait_for_workers=False, master_listen_fd=listener.fileno())
+            except BaseException:
+                listener.close()
+                raise
+            listener.detach()  # the store owns the socket now, and closes it
+            answer = (addr, port)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must hear it
             answer = str(exc)
     answer = mpi.bcast(answer, root=0)
-    if isinstance(answer, str):  # rank 0 failed: every rank raises the same error
+    if isinstance(answer, str):
         raise RuntimeError(f"torch.distributed rendezvous: {answer}")
-    return answer
+    addr, port = answer
+    if store is None:
+        store = _everyone(mpi, lambda: TCPStore(addr, port, mpi.Get_size(), False,
+                                                 timedelta(seconds=timeout)))
+    else:
+        _everyone(mpi, lambda: None)
+    return store, f"{addr}:{port}"
+
+
+def _everyone(mpi: Any, step: Callable[[], Any]) -> Any:
+    """Run ``step`` on every rank; if it fails on any, raise on all, naming the ranks."""
+    try:
+        result, error = step(), ""
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        result, error = None, f"{type(exc).__name__}: {exc}"
+    errors = mpi.allgather(error)
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if failed:
+        raise RuntimeError("torch.distributed rendezvous failed on " + "; ".join(failed))
+    return result
+
+
+def _check_interface(ifname_var: str) -> None:
+    """A named interface that does not exist here fails now, on every rank, not mid-connect."""
+    spec = os.environ.get(ifname_var, "")
+    if sys.platform != "linux" or not spec or spec.startswith("^"):
+        return  # the address lookup below is Linux's; exclusions name no interface
+    if not interface_address(spec):
+        raise ValueError(f"{ifname_var}={spec} names no interface with an IPv4 address on "
+                         f"{socket.gethostname()}; see `ip -o -4 addr` for the names there")
 
 
 def _pick_address(one_host: bool, ifname_var: str) -> str:
@@ -264,22 +403,59 @@ def _pick_address(one_host: bool, ifname_var: str) -> str:
     return addr
 
 
-def _pick_port() -> int:
-    wanted = os.environ.get("MASTER_PORT")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        # As torch's store does: a port whose old connections linger in TIME_WAIT
-        # (a re-created backend on the same MASTER_PORT) is free; a listener is not.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", int(wanted) if wanted else 0))
-        except OSError as exc:
+def _pick_port(addr: str) -> socket.socket:
+    """A socket listening on ``addr``: on MASTER_PORT if set, else on a free port.
+
+    The store takes this very socket over, so no other program can take the port
+    between choosing and listening.
+    """
+    wanted = os.environ.get("MASTER_PORT", "")
+    port = int(wanted) if wanted.isdigit() else -1 if wanted else 0
+    if not 0 <= port <= 65535 or (wanted and port == 0):
+        raise ValueError(f"MASTER_PORT={wanted} is not a port number (1 to 65535); unset it "
+                         "to let rank 0 pick a free port, or choose another")
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    # As torch's store does: a port whose old connections linger in TIME_WAIT
+    # (a re-created backend on the same MASTER_PORT) is free; a listener is not.
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((addr, port))
+        s.listen()
+    except OSError as exc:
+        s.close()
+        if wanted:
             raise ValueError(
                 f"MASTER_PORT={wanted} is already in use on rank 0's host ({exc.strerror}); "
                 "unset MASTER_PORT to let rank 0 pick a free port, or choose another"
             ) from None
-        # Closed again before torch's store binds it: a tiny window in which another
-        # program could take it; the rendezvous would then fail within `timeout`.
-        return s.getsockname()[1]
+        raise ValueError(f"rank 0 cannot listen on {addr} ({exc.strerror}); MASTER_ADDR "
+                         "must be an address of rank 0's host") from None
+    return s
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+@contextmanager
+def socket_ifname(var: str, loopback: bool) -> Iterator[None]:
+    """With ``loopback``, Gloo/NCCL bind to the loopback interface unless ``var`` names one.
+
+    The libraries read the variable when they open their sockets, so it is set only
+    for that moment and the process's environment is left as it was.
+    """
+    if not loopback or os.environ.get(var):
+        yield
+        return
+    os.environ[var] = "lo0" if sys.platform == "darwin" else "lo"
+    try:
+        yield
+    finally:
+        del os.environ[var]
 
 
 def interface_address(spec: str) -> str:

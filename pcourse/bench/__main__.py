@@ -1,23 +1,27 @@
-"""``python -m pcourse.bench franke|mnist|steps|comm [options]``: one front door.
+"""``python -m pcourse.bench franke|mnist|steps|comm|versus-source [options]``: one front door.
 
 ``franke`` and ``mnist`` go to :mod:`pcourse.bench.scaling`; ``steps`` and ``comm``
-to :mod:`pcourse.bench.steps` and :mod:`pcourse.bench.comm`.
+to :mod:`pcourse.bench.steps` and :mod:`pcourse.bench.comm`; ``versus-source``
+times the scaling command beside the source's own script
+(:mod:`pcourse.bench.versus`). Nothing heavy is imported here: the benchmark's
+launcher starts its ranks before anything loads torch.
 """
 
 import sys
 
+COMMANDS = {"steps": "pcourse.bench.steps", "comm": "pcourse.bench.comm",
+            "versus-source": "pcourse.bench.versus"}
+
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["steps"]:
-        from pcourse.bench.steps import main as run
-    elif argv[:1] == ["comm"]:
-        from pcourse.bench.comm import main as run
-    else:
-        from pcourse.bench.scaling import main as run
+    import importlib
 
-        return run(argv) or 0
-    return run(argv[1:]) or 0
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in COMMANDS:
+        return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:]) or 0
+    from pcourse.bench.scaling import main as run
+
+    return run(argv) or 0
 
 
 if __name__ == "__main__":

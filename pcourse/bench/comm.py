@@ -1,97 +1,98 @@
 """OSU-style allreduce benchmark: why the algorithm, and the path to the wire, matter.
 
-``python -m pcourse.bench.comm`` times an in-place float32 allreduce from 4 bytes to
-64 MiB with every method the course builds: MPI's native ``Allreduce`` on a buffer,
-the source's pickle-based ``allreduce``, the from-scratch tree, ring and recursive
-doubling (:mod:`pcourse.collectives`), Gloo, and NCCL where a GPU exists. For each
-it reports latency, algorithm bandwidth (bytes / time) and bus bandwidth
-(algbw · 2(p-1)/p, as nccl-tests defines it: what each link carries, so it is
-comparable across rank counts), the speed relative to MPI native, and the fitted
-alpha-beta model. Run plainly, it launches itself under ``mpiexec`` once per
-``--ranks`` value; run under ``mpiexec`` it measures that job alone.
+It times an in-place float32 sum-allreduce from 4 bytes to 64 MiB with every
+method the course builds: MPI's native ``Allreduce`` on a buffer, the source's
+pickle-based ``allreduce``, the from-scratch tree, ring and recursive doubling
+(:mod:`pcourse.collectives`), Gloo, and NCCL where a GPU exists. For each it
+reports latency (the median call, with the spread between the quartiles),
+algorithm bandwidth (bytes / time) and bus bandwidth (algbw · 2(p-1)/p, as
+nccl-tests defines it: what each link carries, so it is comparable across rank
+counts), the speed relative to MPI native, and the fitted alpha-beta model.
+
+Every (method, size) is warmed up before it is timed (the first calls pay for
+connections and buffers, not for latency), and gets about the same share of
+the run: many calls for a small message, a few for a large one. Methods take
+turns at each size, so background noise falls on all of them alike.
+
+Two front doors, one measurement (:func:`measure`): on the lesson's running
+cluster, ``run_on(mc.view, CommSpec.quick())``; from a terminal,
+``python -m pcourse.bench comm --ranks 2 4`` (one MPI job; each rank count runs on
+the job's first ranks).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pcourse import collectives
-from pcourse.bench.commreport import report
+from pcourse.bench import jobs
+from pcourse.bench.commreport import FIELDS, add_rates, human, report
+from pcourse.cluster.rankinfo import launcher
+from pcourse.utils.io import write_csv
 
 METHODS = ("mpi", "mpi-pickle", "tree", "ring", "recursive-doubling", "gloo", "nccl",
            "nccl-cupy")
 MiB = 1 << 20
 
 
-def _size(text: str) -> int:
-    """'64M', '4K', '1024' -> bytes."""
-    units = {"K": 1 << 10, "M": MiB, "G": 1 << 30}
-    scale = units.get(text[-1:].upper(), 1)
-    try:
-        return int(float(text[:-1] if scale > 1 else text) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a size in bytes: {text!r} (e.g. 4096, 64M)") from None
+@dataclass(frozen=True)
+class CommSpec:
+    """What to measure. ``CommSpec()`` is the full sweep, ``quick()`` a lesson's quick
+    mode (seconds), ``smoke()`` the tests' (every method and a few sizes, barely timed)."""
 
+    ranks: tuple[int, ...] = (2, 4)
+    min_bytes: int = 4
+    max_bytes: int = 64 * MiB
+    factor: int = 2
+    methods: tuple[str, ...] = METHODS
+    warmup: int = 3  # untimed calls per (method, size) before its timed calls
+    target_time: float = 0.2  # seconds of timed calls per (method, size)
+    min_iters: int = 5
+    max_iters: int = 1000
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m pcourse.bench.comm", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, nargs="+", default=None,
-                    help="rank counts to launch, one mpiexec each (default: 2 4; quick: 2)")
-    ap.add_argument("--min-bytes", type=_size, default=4)
-    ap.add_argument("--max-bytes", type=_size, default=None, help="default 64M (quick: 64K)")
-    ap.add_argument("--factor", type=int, default=None, help="size step (default 2; quick: 4)")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    ap.add_argument("--warmup", type=int, default=None, help="untimed calls per point")
-    ap.add_argument("--target-time", type=float, default=0.2,
-                    help="seconds of timed calls per (method, size); sets the iterations")
-    ap.add_argument("--min-iters", type=int, default=None)
-    ap.add_argument("--max-iters", type=int, default=1000)
-    ap.add_argument("--quick", action="store_true", help="smoke test: seconds, not minutes")
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per mpiexec launch")
-    ap.add_argument("--out", type=Path, default=Path("results/commbench.csv"))
-    ap.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
-    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    quick = args.quick
-    for name, normal, smoke in [("ranks", [2, 4], [2]), ("max_bytes", 64 * MiB, 64 << 10),
-                                ("factor", 2, 4), ("warmup", 1, 1), ("min_iters", 2, 1)]:
-        if getattr(args, name) is None:
-            setattr(args, name, smoke if quick else normal)
-    if quick:
-        args.max_iters = min(args.max_iters, 2)
-    _validate(ap, args)
-    args.plot = args.plot or args.out.with_suffix(".png")
-    return args
+    @classmethod
+    def quick(cls, **changes: Any) -> CommSpec:
+        """2 ranks, 4 B to 4 MiB in factors of 4, a few hundredths of a second per point."""
+        base = cls(ranks=(2,), max_bytes=4 * MiB, factor=4, target_time=0.02, max_iters=200)
+        return dataclasses.replace(base, **changes)
 
+    @classmethod
+    def smoke(cls, **changes: Any) -> CommSpec:
+        """2 ranks, 4 B to 64 KiB, one or two calls a point: checks that everything runs."""
+        base = cls(ranks=(2,), max_bytes=64 << 10, factor=4, warmup=1, target_time=0.0,
+                   min_iters=1, max_iters=2)
+        return dataclasses.replace(base, **changes)
 
-def _validate(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse bad input before anything runs or is written."""
-    bad = [n for n in args.ranks if n < 2]
-    if bad:
-        ap.error(f"--ranks: an allreduce needs at least 2 ranks to communicate, got {bad}")
-    if not args.inner:  # only the launcher cares; ranks need not import the cluster code
-        from pcourse.cluster.launch import max_engines
+    def sizes(self) -> list[int]:
+        return sizes(self.min_bytes, self.max_bytes, self.factor)
 
-        if max(args.ranks) > max_engines():
-            ap.error(f"--ranks: {max(args.ranks)} ranks is far beyond this machine "
-                     f"({os.cpu_count()} cores; at most {max_engines()} here)")
-    if not 4 <= args.min_bytes <= args.max_bytes:
-        ap.error(f"need 4 <= --min-bytes <= --max-bytes, got {args.min_bytes}, "
-                 f"{args.max_bytes} (sizes are in bytes of float32 data)")
-    if args.factor < 2 or args.warmup < 0 or not 1 <= args.min_iters <= args.max_iters:
-        ap.error("need --factor >= 2, --warmup >= 0 and 1 <= --min-iters <= --max-iters")
-    if args.out.suffix != ".csv":
-        ap.error(f"--out must name a .csv file, got {args.out}")
+    def check(self, world: int | None = None) -> None:
+        """Refuse what cannot run, before anything runs or is written."""
+        bad = [n for n in self.ranks if n < 2]
+        if bad:
+            raise jobs.BenchError(f"ranks: an allreduce needs at least 2 ranks to communicate, "
+                                  f"got {bad}")
+        if world is not None and max(self.ranks) > world:
+            raise jobs.BenchError(f"ranks {max(self.ranks)} asked for, but the cluster has "
+                                  f"{world} engine(s)")
+        if not 4 <= self.min_bytes <= self.max_bytes:
+            raise jobs.BenchError(f"need 4 <= --min-bytes <= --max-bytes, got {self.min_bytes}, "
+                                  f"{self.max_bytes} (sizes are in bytes of float32 data)")
+        if self.factor < 2 or self.warmup < 0 or not 1 <= self.min_iters <= self.max_iters:
+            raise jobs.BenchError("need --factor >= 2, --warmup >= 0 and "
+                                  "1 <= --min-iters <= --max-iters")
+        unknown = set(self.methods) - set(METHODS)
+        if unknown:
+            raise jobs.BenchError(f"unknown method(s) {sorted(unknown)}; choose from {METHODS}")
 
 
 def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
@@ -115,11 +116,11 @@ def _open_backends(comm: Any, methods: Sequence[str], say: Callable[[str], None]
         if name in ("gloo", "nccl", "nccl-cupy"):
             reason = unavailable_reason(name)
             try:
-                backends[name] = None if reason else make_backend(name)
+                backends[name] = None if reason else make_backend(name, comm=comm)
             except BackendUnavailable as exc:
                 reason = str(exc)
             if reason:
-                say(f"skip {name}: {reason}")
+                say(f"skip {name} at {comm.size} ranks: {reason}")
     return backends
 
 
@@ -138,15 +139,15 @@ def _call(name: str, comm: Any, x: np.ndarray, backend: Any) -> Callable[[], Any
 
     tensor = torch.from_numpy(x).to(backend.device)
     if backend.device.type == "cuda":  # time the work, not the launch
-        return lambda: (backend.allreduce(tensor), torch.cuda.synchronize())
-    return lambda: backend.allreduce(tensor)
+        return lambda: (backend.allreduce(tensor, check=False), torch.cuda.synchronize())
+    return lambda: backend.allreduce(tensor, check=False)
 
 
 def time_call(comm: Any, fn: Callable[[], Any], warmup: int, iters: int) -> np.ndarray:
     """Seconds of each timed call on the slowest rank, barriers around the loop.
 
-    The mean of these is the latency OSU and nccl-tests report; their median shows
-    how much of it was the machine being busy with something else.
+    Their median is the latency a learner should read: the mean (what OSU and
+    nccl-tests print) also carries every hiccup of a busy machine.
     """
     from mpi4py import MPI
 
@@ -163,98 +164,148 @@ def time_call(comm: Any, fn: Callable[[], Any], warmup: int, iters: int) -> np.n
     return times
 
 
-def _iterations(comm: Any, fn: Callable[[], Any], args: argparse.Namespace) -> int:
-    """Enough calls for ~target-time seconds; every rank must agree on the count.
+def time_point(comm: Any, fn: Callable[[], Any], spec: CommSpec) -> np.ndarray:
+    """Warm up, then time enough calls for about ``spec.target_time`` seconds.
 
-    So a 4-byte point gets hundreds of calls and a 64 MiB pickle a couple: the run
-    stays within minutes and every point gets about the same share of it.
+    The warm-up calls are timed too, to choose the count: every rank agrees on it
+    (the times are the slowest rank's), and a cold first call does not count.
     """
-    once = time_call(comm, fn, args.warmup, 1)[0]
-    return int(np.clip(args.target_time / max(once, 1e-9), args.min_iters, args.max_iters))
+    warm = time_call(comm, fn, 0, max(spec.warmup, 2))
+    once = float(np.median(warm[1:]))
+    iters = int(np.clip(spec.target_time / max(once, 1e-9), spec.min_iters, spec.max_iters))
+    return time_call(comm, fn, 0, iters)
 
 
-def measure(comm: Any, args: argparse.Namespace, say: Callable[[str], None]) -> list[dict]:
-    """All (size, method) points on this job; every rank returns the same rows.
-
-    Methods take turns at each size, so background noise falls on all of them alike.
-    """
-    backends = _open_backends(comm, args.methods, say)
-    methods = [m for m in args.methods if backends.get(m, True) is not None]
-    p, rows = comm.size, []
+def sweep(comm: Any, spec: CommSpec, progress: jobs.Progress) -> None:
+    """All (size, method) points on this communicator; rows to ``progress`` size by size."""
+    backends = _open_backends(comm, spec.methods, progress.note)
+    methods = [m for m in spec.methods if backends.get(m, True) is not None]
     try:
-        for nbytes in sizes(args.min_bytes, args.max_bytes, args.factor):
+        for nbytes in spec.sizes():
             x = np.zeros(nbytes // 4, dtype=np.float32)  # zeros never overflow
+            rows = []
             for name in methods:
-                fn = _call(name, comm, x, backends.get(name))
-                iters = _iterations(comm, fn, args)
-                t = time_call(comm, fn, 0, iters)
-                rows.append({"ranks": p, "method": name, "bytes": nbytes, "iterations": iters,
-                             "seconds": t.mean(), "median_us": np.median(t) * 1e6})
+                t = time_point(comm, _call(name, comm, x, backends.get(name)), spec)
+                q25, q50, q75 = np.percentile(t, [25, 50, 75]) * 1e6
+                rows.append({"ranks": comm.size, "method": name, "bytes": nbytes,
+                             "iterations": len(t), "seconds": q50 * 1e-6, "median_us": q50,
+                             "p25_us": q25, "p75_us": q75, "mean_us": t.mean() * 1e6})
+            progress.done(f"{comm.size} ranks, {human(nbytes)}", rows)
     finally:
         for backend in backends.values():
             if backend is not None:
                 backend.close()
-    return rows
 
 
-def run_inner(args: argparse.Namespace) -> list[dict]:
-    """Measure on this MPI job; rank 0 returns the rows, the others an empty list."""
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    say = print if comm.rank == 0 else (lambda _msg: None)
-    start = time.perf_counter()
-    rows = measure(comm, args, say)
-    say(f"{comm.size} ranks: {len(rows)} points in {time.perf_counter() - start:.0f} s")
-    return rows if comm.rank == 0 else []
+def measure(comm: Any, spec: CommSpec, progress: jobs.Progress) -> None:
+    """The sweep at every rank count of ``spec``, each on the first ranks of ``comm``."""
+    progress.total = len(spec.ranks) * len(spec.sizes())
+    with jobs.RankGroups(comm, spec.ranks) as groups:
+        for p in spec.ranks:
+            groups.run(p, lambda sub: sweep(sub, spec, progress))
 
 
-# ---- launching and reporting: one process -------------------------------------------
+# ---- front door 1: the lesson's engines ------------------------------------------------
 
 
-def _inner_argv(args: argparse.Namespace) -> list[str]:
-    argv = ["-m", "pcourse.bench.comm", "--inner", "--out", str(args.out)]
-    for opt in ("min_bytes", "max_bytes", "factor", "warmup", "target_time", "min_iters",
-                "max_iters"):
-        argv += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
-    return argv + ["--methods", *args.methods]
+def run_on(view: Any, spec: CommSpec | None = None, *, progress: bool = True,
+           timeout: float = 1800.0) -> list[dict]:
+    """The benchmark on a running cluster's engines (``mc.view``); rows with rates.
+
+    ``spec`` defaults to the full sweep at the cluster's engine count. Read the
+    rows with :func:`pcourse.bench.commreport.print_report` and ``plot``.
+    """
+    world = jobs.cluster_size(view)
+    spec = spec or CommSpec(ranks=(world,))
+    spec.check(world)
+    outcome = jobs.on_cluster(view, measure, spec, desc="allreduce", timeout=timeout,
+                              progress=progress)
+    return add_rates(outcome.rows)
 
 
-def launch(args: argparse.Namespace) -> list[dict]:
-    """One mpiexec per rank count, each with a deadline; collect rank 0's rows."""
-    from pcourse.cluster.launch import mpirun_rows
+# ---- front door 2: the command line ------------------------------------------------------
 
-    rows: list[dict] = []
-    for p in args.ranks:
-        print(f"launching {p} ranks ...", flush=True)
-        found, output = mpirun_rows(p, _inner_argv(args), timeout=args.timeout)
-        print(output.strip())
-        rows += found
-    return rows
+
+def _size(text: str) -> int:
+    """'64M', '4K', '1024' -> bytes."""
+    units = {"K": 1 << 10, "M": MiB, "G": 1 << 30}
+    scale = units.get(text[-1:].upper(), 1)
+    try:
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a size in bytes: {text!r} (e.g. 4096, 64M)") from None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with ``args.spec`` (a checked :class:`CommSpec`) built from it."""
+    ap = argparse.ArgumentParser(prog="python -m pcourse.bench comm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=None,
+                    help="rank counts (default: 2 4; quick: 2); one MPI job of the largest")
+    ap.add_argument("--min-bytes", type=_size, default=None)
+    ap.add_argument("--max-bytes", type=_size, default=None, help="default 64M (quick: 64K)")
+    ap.add_argument("--factor", type=int, default=None, help="size step (default 2; quick: 4)")
+    ap.add_argument("--methods", nargs="+", default=None, choices=METHODS)
+    ap.add_argument("--warmup", type=int, default=None, help="untimed calls per point")
+    ap.add_argument("--target-time", type=float, default=None,
+                    help="seconds of timed calls per (method, size); sets the iterations")
+    ap.add_argument("--min-iters", type=int, default=None)
+    ap.add_argument("--max-iters", type=int, default=None)
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: seconds, not minutes (CommSpec.smoke())")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the MPI job")
+    ap.add_argument("--oversubscribe", action="store_true",
+                    help="run even with far more ranks than this machine has cores")
+    ap.add_argument("--out", type=Path, default=Path("results/commbench.csv"))
+    ap.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
+    args = ap.parse_args(argv)
+    base = CommSpec.smoke() if args.quick else CommSpec()
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(CommSpec)
+             if getattr(args, f.name, None) is not None}
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
+    args.spec = dataclasses.replace(base, **given)
+    try:
+        args.spec.check()
+        if args.out.suffix != ".csv":
+            raise jobs.BenchError(f"--out must name a .csv file, got {args.out}")
+    except jobs.BenchError as exc:
+        ap.error(str(exc))
+    args.plot = args.plot or args.out.with_suffix(".png")
+    args.error = ap.error
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from pcourse.cluster.launch import MPIJobError, report_rows
-
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if args.inner or int(os.environ.get("PMI_SIZE", "1")) > 1 or _mpi_size() > 1:
-        rows = run_inner(args)  # a rank of a job that `launch` or the user's mpiexec started
-        if rows and not report_rows(rows):
-            report(rows, args.out, args.plot)
-        return 0
+    if launcher() == "mpi":  # a rank of our job, or of the user's own mpiexec
+        jobs.rank_main(measure, args.spec,  # does not return
+                       lambda outcome: report(add_rates(outcome.rows), args.out, args.plot))
     try:
-        rows = launch(args)
-    except MPIJobError as exc:  # nothing is written: no half-finished results
-        print(f"commbench: a benchmark job failed, no results written.\n{exc}", file=sys.stderr)
+        note = jobs.check_ranks(args.spec.ranks, args.oversubscribe)
+        jobs.check_writable(args.out, "file")
+        jobs.check_writable(args.plot, "file")
+    except jobs.BenchError as exc:
+        args.error(f"{exc}\nNothing was started.")
+    if note:
+        print(note)
+    try:
+        outcome = jobs.launch("pcourse.bench.comm", argv, max(args.spec.ranks),
+                              timeout=args.timeout)
+    except jobs.BenchError as exc:
+        print(f"commbench: the benchmark job failed.\n{exc}", file=sys.stderr)
+        if not exc.rows:
+            print("No results written.", file=sys.stderr)
+            return 1
+        partial = args.out.with_suffix(".partial.csv")
+        done = add_rates(exc.rows)
+        where = jobs.save(partial, lambda path: write_csv(path, done, FIELDS))
+        print(f"the {len(exc.rows)} points measured before the failure are in {where}",
+              file=sys.stderr)
         return 1
-    report(rows, args.out, args.plot)
+    report(add_rates(outcome.rows), args.out, args.plot)
     return 0
-
-
-def _mpi_size() -> int:
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.size
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pcourse.utils.io import savefig_atomic
 MiB = 1 << 20
 HEADLINE_BYTES = 4 * MiB
 FIELDS = ["ranks", "method", "bytes", "iterations", "latency_us", "algbw_GBps",
-          "busbw_GBps", "speed_vs_mpi", "median_us"]
+          "busbw_GBps", "speed_vs_mpi", "median_us", "p25_us", "p75_us", "mean_us"]
 Fits = dict[tuple[int, str], tuple[float, float]]
 
 
@@ -33,8 +33,9 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict]:
     for r in rows:
         for key in ("ranks", "bytes", "iterations"):
             r[key] = int(r[key])
-        for key in ("latency_us", "algbw_GBps", "busbw_GBps", "speed_vs_mpi", "median_us"):
-            r[key] = float(r[key])
+        for key in FIELDS[4:]:
+            if key in r:  # older CSVs lack the quartiles and the mean
+                r[key] = float(r[key])
     return rows
 
 
@@ -43,7 +44,8 @@ def add_rates(rows: list[dict]) -> list[dict]:
 
     busbw = algbw · 2(p-1)/p is what each link must carry for the ring, the
     bandwidth-optimal algorithm, so it can be compared with a link's speed and
-    across rank counts. Rows need ranks, method, bytes and seconds.
+    across rank counts. Rows need ranks, method, bytes and seconds (the benchmark
+    puts the median call there, so every rate is the median's).
     """
     for r in rows:
         r["latency_us"] = r["seconds"] * 1e6
@@ -57,7 +59,7 @@ def add_rates(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def _human(nbytes: int) -> str:
+def human(nbytes: int) -> str:
     for unit, scale in (("MiB", MiB), ("KiB", 1 << 10)):
         if nbytes >= scale:
             return f"{nbytes / scale:g} {unit}"
@@ -69,13 +71,15 @@ def _line(label: str, cells: list[str], widths: list[int]) -> str:
 
 
 def print_tables(rows: list[dict]) -> None:
-    """Per rank count: latency, busbw and speed vs MPI native, a column per method."""
+    """Per rank count: latency, its spread, busbw and speed vs MPI native, a column
+    per method."""
     for p in sorted({r["ranks"] for r in rows}):
-        mine = [r for r in rows if r["ranks"] == p]
+        mine = [{**r, "spread_pct": _spread(r)} for r in rows if r["ranks"] == p]
         methods = list(dict.fromkeys(r["method"] for r in mine))
         cell = {(r["bytes"], r["method"]): r for r in mine}
         widths = [max(10, len(m) + 2) for m in methods]
-        for title, key, fmt in [("latency [us]", "latency_us", "{:.1f}"),
+        for title, key, fmt in [("latency [us], median call", "latency_us", "{:.1f}"),
+                                ("spread [%]: (p75 - p25) / median", "spread_pct", "{:.0f}"),
                                 ("busbw [GB/s]", "busbw_GBps", "{:.3f}"),
                                 ("speed vs MPI native (t_mpi / t)", "speed_vs_mpi", "{:.2f}")]:
             print(f"\n{p} ranks, float32 in-place allreduce: {title}")
@@ -83,7 +87,13 @@ def print_tables(rows: list[dict]) -> None:
             for nbytes in sorted({r["bytes"] for r in mine}):
                 vals = [fmt.format(cell[nbytes, m][key]) if (nbytes, m) in cell else "-"
                         for m in methods]
-                print(_line(_human(nbytes), vals, widths))
+                print(_line(human(nbytes), vals, widths))
+
+
+def _spread(row: dict) -> float:
+    if "p75_us" not in row:
+        return float("nan")
+    return 100 * (row["p75_us"] - row["p25_us"]) / row["latency_us"]
 
 
 def fit_all(rows: list[dict]) -> Fits:
@@ -120,7 +130,7 @@ def headline(rows: list[dict]) -> None:
         ring = [(n, r["speed_vs_mpi"]) for (m, n), r in sorted(by.items())
                 if m == "ring" and n >= HEADLINE_BYTES]
         if ring:
-            listed = ", ".join(f"{_human(n)} {v:.2f}" for n, v in ring)
+            listed = ", ".join(f"{human(n)} {v:.2f}" for n, v in ring)
             print(f"  {p} ranks: ring busbw / MPI native busbw (>= 4 MiB; target >= 0.70): "
                   f"{listed}; min {min(v for _, v in ring):.2f}")
         pickle, buffer = by.get(("mpi-pickle", HEADLINE_BYTES)), by.get(("mpi", HEADLINE_BYTES))
@@ -143,15 +153,21 @@ def plot(rows: list[dict], fits: Fits, path: str | os.PathLike[str] | None = Non
         for i, method in enumerate(dict.fromkeys(r["method"] for r in rows if r["ranks"] == p)):
             mine = [r for r in rows if (r["ranks"], r["method"]) == (p, method)]
             n = np.array([r["bytes"] for r in mine], dtype=float)
-            ax.loglog(n, [r["latency_us"] for r in mine], "o", ms=3, color=f"C{i}",
-                      label=method)
+            lat = np.array([r["latency_us"] for r in mine])
+            spread = None
+            if all("p25_us" in r for r in mine):  # the quartiles: how steady the calls were
+                spread = [lat - [r["p25_us"] for r in mine], [r["p75_us"] for r in mine] - lat]
+            ax.errorbar(n, lat, yerr=spread, fmt="o", ms=3, capsize=2, color=f"C{i}",
+                        label=method)
             if (p, method) in fits:
                 a, b = fits[p, method]
                 model = (a + b * n) * 1e6
                 ax.loglog(n[model > 0], model[model > 0], "-", lw=1, alpha=0.6, color=f"C{i}")
         measured = [r["latency_us"] for r in rows if r["ranks"] == p]
         ax.set_ylim(min(measured) / 2, max(measured) * 2)  # a zero-latency fit: no abyss
-        ax.set(title=f"{p} ranks (points: measured, lines: alpha-beta fit)",
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set(title=f"{p} ranks (points: median, bars: quartiles; lines: alpha-beta fit)",
                xlabel="message size [bytes]", ylabel="latency [us]")
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=8)
@@ -160,15 +176,26 @@ def plot(rows: list[dict], fits: Fits, path: str | os.PathLike[str] | None = Non
     return fig
 
 
-def report(rows: list[dict], out: Path, plot_path: Path) -> None:
-    """Everything a benchmark run prints and writes, from its measured rows."""
-    from pcourse.utils.io import write_csv
-
-    add_rates(rows)
+def print_report(rows: list[dict]) -> Fits:
+    """The tables, the alpha-beta fits and the headline ratios of rows with rates."""
     print_tables(rows)
     fits = fit_all(rows)
     print_fits(fits)
     headline(rows)
-    write_csv(out, rows, FIELDS)
-    plot(rows, fits, plot_path)
+    return fits
+
+
+def report(rows: list[dict], out: Path, plot_path: Path) -> None:
+    """Everything the command line prints and writes, from rows with rates. The CSV
+    is written first: a plot that fails loses no measurement."""
+    from pcourse.bench.jobs import save
+    from pcourse.utils.io import write_csv
+
+    fits = print_report(rows)
+    out = save(out, lambda path: write_csv(path, rows, FIELDS))
+    try:
+        plot_path = save(plot_path, lambda path: plot(rows, fits, path))
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"\nwrote {out}; the plot failed: {exc}")
+        return
     print(f"\nwrote {out} and {plot_path}")

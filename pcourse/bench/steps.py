@@ -1,69 +1,91 @@
-"""Per-step time of every gradient-averaging strategy, side by side with torch DDP.
+"""Per-step time of every gradient-averaging strategy, on the same backends, beside DDP.
 
-``python -m pcourse.bench.steps --ranks 2 4`` (or ``python -m pcourse.bench steps ...``)
-times one training step (forward, backward, gradient averaging, optimizer step) of
-the same model on the same data, for:
+It times one training step (forward, backward, gradient averaging, optimizer
+step) of the same model on the same data. Each strategy runs on MPI *and* on the
+torch backend (Gloo on CPUs, NCCL on GPUs), so that comparing two rows with the
+same backend shows the strategy alone, and two with the same strategy the backend:
 
-===================  ==========  ==============================================
-path                 backend     what averages the gradients
-===================  ==========  ==============================================
-no averaging         (none)      nothing: the compute-only floor
-per-param pickle     mpi-pickle  the source: one pickled allreduce per parameter
-per-param buffer     mpi         one in-place ``Allreduce`` per parameter
-bucketed             gloo/nccl   BucketedAllreduce(overlap=False)
-bucketed+overlap     gloo/nccl   BucketedAllreduce(overlap=True)
-bucketed+overlap     mpi         the same over MPI ``Iallreduce``
-DDP                  gloo/nccl   torch DistributedDataParallel
-===================  ==========  ==============================================
+=================  ========================  =========================================
+path               backends                  what averages the gradients
+=================  ========================  =========================================
+no averaging       (none)                    nothing: the compute-only floor
+per-param          mpi-pickle                the source: one pickled allreduce a tensor
+per-param          mpi, gloo/nccl            one in-place allreduce per parameter
+bucketed           mpi, gloo/nccl            BucketedAllreduce(overlap=False)
+bucketed+overlap   mpi, gloo/nccl            BucketedAllreduce(overlap=True)
+DDP                gloo/nccl                 torch DistributedDataParallel
+=================  ========================  =========================================
 
 Both bucketed paths and DDP use 25 MB buckets and keep gradients as views into
 the buckets (DDP: ``gradient_as_bucket_view=True``), and every path zeroes with
 ``zero_grad(set_to_none=False)`` as the course's training loop does. The per-param
 paths call ``average_gradients(..., check=False)``: the strategy, without the
-course's shape check (two more small allreduces a step). DDP also puts
-its first 1 MB in a bucket of its own (to start communicating early); ours does not.
+course's shape check (two more small allreduces a step). DDP also puts its first
+1 MB in a bucket of its own (to start communicating early); ours does not.
 
 Each step is timed on every rank; a step's time is the slowest rank's, and the
-table shows the median over the steps after a warm-up. The paths take turns in
-rounds, so a noisy neighbour slows all of them alike. Compare ratios within one
-run: absolute times vary from run to run.
+table shows the median over the steps after a warm-up, with the quartiles. The
+paths take turns in rounds, so a noisy neighbour slows all of them alike.
+Compare ratios within one run: absolute times vary from run to run.
+
+Two front doors, one measurement (:func:`measure`): on the lesson's running
+cluster, ``run_on(mc.view, StepSpec.quick())``; from a terminal,
+``python -m pcourse.bench steps --ranks 2 4``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import os
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from pcourse.cluster.launch import report_rows
+from pcourse.bench import jobs
+from pcourse.cluster.rankinfo import launcher
 from pcourse.utils.io import write_csv
-from pcourse.workloads.base import Workload
 
 FIELDS = ["workload", "ranks", "path", "backend", "local_batch", "params",
-          "median_ms", "p25_ms", "p75_ms", "steps", "ratio_to_ddp"]
+          "median_ms", "p25_ms", "p75_ms", "steps", "ratio_to_ddp", "ratio_to_per_param"]
 Step = Callable[[int], None]  # runs training step number i
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pcourse.bench.steps",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
-    p.add_argument("--workloads", nargs="+", choices=["franke", "mnist"],
-                   default=["franke", "mnist"])
-    p.add_argument("--steps", type=int, default=20, help="timed steps per path and round")
-    p.add_argument("--rounds", type=int, default=6, help="turns each path takes")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per path first")
-    p.add_argument("--quick", action="store_true", help="2 ranks, few steps: a smoke test")
-    p.add_argument("--out", default="results/steps.csv", help="the CSV to write")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per MPI launch")
-    p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
-    return p
+@dataclass(frozen=True)
+class StepSpec:
+    """What to time. ``StepSpec()``: the full run; ``quick()`` a lesson's quick mode;
+    ``smoke()`` the tests' (every path, a few steps)."""
+
+    ranks: tuple[int, ...] = (2, 4)
+    workloads: tuple[str, ...] = ("franke", "mnist")
+    steps: int = 20  # timed steps per path and round
+    rounds: int = 6  # turns each path takes
+    warmup: int = 5  # untimed steps per path first
+
+    @classmethod
+    def quick(cls, **changes: Any) -> StepSpec:
+        return dataclasses.replace(cls(ranks=(2,), steps=10, rounds=3, warmup=2), **changes)
+
+    @classmethod
+    def smoke(cls, **changes: Any) -> StepSpec:
+        return dataclasses.replace(cls(ranks=(2,), steps=3, rounds=1, warmup=1), **changes)
+
+    def check(self, world: int | None = None) -> None:
+        from pcourse.workloads.config import FrankeConfig
+
+        if min(self.ranks) < 1 or min(self.steps, self.rounds) < 1 or self.warmup < 0:
+            raise jobs.BenchError("--ranks, --steps and --rounds must be at least 1, "
+                                  "--warmup at least 0")
+        if world is not None and max(self.ranks) > world:
+            raise jobs.BenchError(f"ranks {max(self.ranks)} asked for, but the cluster has "
+                                  f"{world} engine(s)")
+        batch = FrankeConfig().batch_size
+        if "franke" in self.workloads and any(batch % r for r in self.ranks):
+            raise jobs.BenchError(
+                f"--ranks: Franke's global batch of {batch} must split evenly over the "
+                f"ranks; use rank counts that divide {batch} (1, 2, 4, 8, ...)")
 
 
 # -- the workloads: the course's own, so the step is the training loop's step ----------
@@ -71,18 +93,17 @@ def parser() -> argparse.ArgumentParser:
 def workload_config(name: str) -> Any:
     """Franke: the source's global batch of 256, split over the ranks (strong).
     MNIST: the 10,000-image test split, 128 images per rank (weak, as the source)."""
-    from pcourse.workloads.franke import FrankeConfig
-    from pcourse.workloads.vae import MNISTConfig
+    from pcourse.workloads.config import FrankeConfig, MNISTConfig
 
     return FrankeConfig() if name == "franke" else MNISTConfig(split="test")
 
 
 def mnist_missing() -> str:
-    """Why the MNIST workload cannot run here ("" if it can); checked before launching."""
-    from pcourse.workloads.mnist import MNISTError, load_mnist
+    """Why the MNIST workload cannot run here ("" if it can); checked before starting."""
+    from pcourse.workloads.mnist import MNISTError, read_mnist
 
     try:
-        load_mnist("test")
+        read_mnist("test")
     except (MNISTError, OSError) as exc:
         return str(exc)
     return ""
@@ -90,7 +111,14 @@ def mnist_missing() -> str:
 
 # -- the paths: each returns its own model copy wrapped for one strategy ------------------
 
-def make_step(path: str, wl: Workload, batches: list[torch.Tensor], backends: dict) -> Step:
+def paths(torch_backend: str) -> list[str]:
+    """Every strategy, as "kind@backend"; "no averaging" is the compute-only floor."""
+    grid = [f"{kind}@{backend}" for backend in ("mpi", torch_backend)
+            for kind in ("per-param", "bucketed", "bucketed+overlap")]
+    return ["no averaging@-", "per-param@mpi-pickle", *grid, f"DDP@{torch_backend}"]
+
+
+def make_step(path: str, wl: Any, batches: list, backends: dict) -> Step:
     """One training step of a private copy of ``wl.model``, averaged the way ``path`` says."""
     from pcourse.buckets import BucketedAllreduce
     from pcourse.data_parallel import average_gradients
@@ -99,7 +127,7 @@ def make_step(path: str, wl: Workload, batches: list[torch.Tensor], backends: di
     net, after = model, (lambda: None)
     kind, _, backend_name = path.partition("@")
     backend = backends.get(backend_name)
-    if kind == "per-param pickle" or kind == "per-param buffer":
+    if kind == "per-param":
         def after() -> None:
             average_gradients(model, backend, check=False)  # the strategy, not the safety net
     elif kind.startswith("bucketed"):
@@ -109,7 +137,8 @@ def make_step(path: str, wl: Workload, batches: list[torch.Tensor], backends: di
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [backend.device.index] if backend.device.type == "cuda" else None
-        net = DDP(model, device_ids=ids, bucket_cap_mb=25, gradient_as_bucket_view=True)
+        net = DDP(model, device_ids=ids, bucket_cap_mb=25, gradient_as_bucket_view=True,
+                  process_group=backend.group)
     opt, _ = wl.make_optimizer(model)
 
     def step(i: int) -> None:  # as pcourse.loop's loop: mean over my share, averaged
@@ -122,16 +151,11 @@ def make_step(path: str, wl: Workload, batches: list[torch.Tensor], backends: di
     return step
 
 
-def paths(main_backend: str) -> list[str]:
-    """Every strategy, as "kind@backend"; "no averaging" is the compute-only floor."""
-    return ["no averaging@-", "per-param pickle@mpi-pickle", "per-param buffer@mpi",
-            f"bucketed@{main_backend}", f"bucketed+overlap@{main_backend}",
-            "bucketed+overlap@mpi", f"DDP@{main_backend}"]
-
-
-def time_paths(steps: dict[str, Step], args: argparse.Namespace, device: torch.device) -> dict:
+def time_paths(comm: Any, steps: dict[str, Step], spec: StepSpec, device: Any,
+               tick: Callable[[int], None]) -> dict:
     """Per-step seconds (the slowest rank's) of every path; paths take turns in rounds."""
     import numpy as np
+    import torch
     from mpi4py import MPI
 
     def timed(step: Step, i: int) -> float:
@@ -142,139 +166,206 @@ def time_paths(steps: dict[str, Step], args: argparse.Namespace, device: torch.d
         return time.perf_counter() - t0
 
     for step in steps.values():
-        for i in range(args.warmup):
+        for i in range(spec.warmup):
             step(i)
     times: dict[str, list[float]] = {p: [] for p in steps}
-    for _ in range(args.rounds):
+    for round_ in range(spec.rounds):
         for path, step in steps.items():
-            MPI.COMM_WORLD.Barrier()
-            times[path] += [timed(step, i) for i in range(args.steps)]
+            comm.Barrier()
+            times[path] += [timed(step, i) for i in range(spec.steps)]
+        tick(round_)
     slowest = {}
     for path, mine in times.items():
         arr = np.asarray(mine)
-        MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, arr, op=MPI.MAX)
+        comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.MAX)
         slowest[path] = arr
     return slowest
 
 
-def inner(args: argparse.Namespace) -> list[dict]:
-    """One MPI job: time every path on every workload; rank 0 returns the rows."""
+def measure_ranks(comm: Any, spec: StepSpec, progress: jobs.Progress) -> None:
+    """Every path on every workload on this communicator; rows to ``progress``."""
     import numpy as np
+    import torch
 
     from pcourse.backends import make_backend
     from pcourse.cluster.rankinfo import init_rank
-    from pcourse.loop import batch_sizes
     from pcourse.workloads import make_workload
+    from pcourse.workloads.config import batch_sizes
 
-    info = init_rank()
-    device = torch.device(info.device)
-    main_backend = "nccl" if device.type == "cuda" else "gloo"
-    names = {p.partition("@")[2] for p in paths(main_backend)} - {"-"}
-    backends = {name: make_backend(name) for name in sorted(names)}
-    rows = []
+    device = torch.device(init_rank().device)
+    torch_backend = "nccl" if device.type == "cuda" else "gloo"
+    names = {p.partition("@")[2] for p in paths(torch_backend)} - {"-"}
+    backends = {name: make_backend(name, comm=comm) for name in sorted(names)}
     try:
-        for workload in args.workloads:
+        for workload in spec.workloads:
             config = workload_config(workload)
             wl = make_workload(workload, config, device)
-            local, _ = batch_sizes(config.scaling, config.batch_size, info.size, wl.n_train)
-            gen = torch.Generator().manual_seed(100 + info.rank)
+            local, _ = batch_sizes(config.scaling, config.batch_size, comm.size, wl.n_train)
+            gen = torch.Generator().manual_seed(100 + comm.rank)
             batches = [torch.randint(0, wl.n_train, (local,), generator=gen).to(device)
                        for _ in range(16)]
-            steps = {p: make_step(p, wl, batches, backends) for p in paths(main_backend)}
+            steps = {p: make_step(p, wl, batches, backends) for p in paths(torch_backend)}
             params = sum(p.numel() for p in wl.model.parameters())
-            for path, secs in time_paths(steps, args, device).items():
+
+            def tick(round_: int, w: str = workload) -> None:
+                progress.done(f"{w} ×{comm.size}: round {round_ + 1}/{spec.rounds}", [])
+
+            rows = []
+            for path, secs in time_paths(comm, steps, spec, device, tick).items():
                 kind, _, backend = path.partition("@")
                 ms = np.percentile(secs * 1e3, [25, 50, 75])
-                rows.append({"workload": workload, "ranks": info.size, "path": kind,
+                rows.append({"workload": workload, "ranks": comm.size, "path": kind,
                              "backend": backend, "local_batch": local, "steps": len(secs),
                              "params": params,
                              "p25_ms": ms[0], "median_ms": ms[1], "p75_ms": ms[2]})
+            progress.done(f"{workload} ×{comm.size}: done", rows)
             del steps  # DDP and the reducers hold hooks and buffers: free before the next
     finally:
-        close_together(backends)
-    return rows if info.rank == 0 else []
+        close_together(comm, backends)
 
 
-def close_together(backends: dict) -> None:
+def measure(comm: Any, spec: StepSpec, progress: jobs.Progress) -> None:
+    """The step benchmark at every rank count of ``spec``, each on the first ranks."""
+    progress.total = len(spec.ranks) * len(spec.workloads) * (spec.rounds + 1)
+    with jobs.RankGroups(comm, spec.ranks) as groups:
+        for p in spec.ranks:
+            groups.run(p, lambda sub: measure_ranks(sub, spec, progress))
+
+
+def close_together(comm: Any, backends: dict) -> None:
     """Barrier, close, barrier: a rank that exits while a peer still tears down its
     Gloo connections can make that peer abort after all the work is done."""
     import gc
 
-    from mpi4py import MPI
-
     gc.collect()  # DDP wrappers and reducers still hold the process group
-    MPI.COMM_WORLD.Barrier()
+    comm.Barrier()
     for backend in backends.values():
         backend.close()
-    MPI.COMM_WORLD.Barrier()
+    comm.Barrier()
 
+
+# -- reading the rows ---------------------------------------------------------------------
 
 def with_ratios(rows: list[dict]) -> list[dict]:
-    """Add each row's per-step time divided by DDP's for the same workload and ranks."""
+    """Each row's median per-step time divided by DDP's (same workload and ranks) and by
+    per-param's on the same backend: the strategy's effect, the backend held fixed."""
     ddp = {(r["workload"], r["ranks"]): r["median_ms"] for r in rows if r["path"] == "DDP"}
+    per_param = {(r["workload"], r["ranks"], r["backend"]): r["median_ms"]
+                 for r in rows if r["path"] == "per-param"}
     for r in rows:
         base = ddp.get((r["workload"], r["ranks"]))
         r["ratio_to_ddp"] = round(r["median_ms"] / base, 3) if base else ""
+        base = per_param.get((r["workload"], r["ranks"], r["backend"]))
+        r["ratio_to_per_param"] = round(r["median_ms"] / base, 3) if base else ""
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
     print(f"{'workload':<8} {'ranks':>5}  {'path':<18} {'backend':<10} "
-          f"{'median ms':>9} {'p25-p75 ms':>15} {'÷ DDP':>6}")
+          f"{'median ms':>9} {'p25-p75 ms':>15} {'÷ per-param':>11} {'÷ DDP':>6}")
     for r in rows:
         spread = f"{r['p25_ms']:.2f}-{r['p75_ms']:.2f}"
-        ratio = f"{r['ratio_to_ddp']:.2f}" if r["ratio_to_ddp"] != "" else "-"
+        ratios = [f"{r[k]:.2f}" if r[k] != "" else "-" for k in ("ratio_to_per_param",
+                                                                  "ratio_to_ddp")]
         print(f"{r['workload']:<8} {r['ranks']:>5}  {r['path']:<18} {r['backend']:<10} "
-              f"{r['median_ms']:>9.2f} {spread:>15} {ratio:>6}")
+              f"{r['median_ms']:>9.2f} {spread:>15} {ratios[0]:>11} {ratios[1]:>6}")
 
 
 def report(rows: list[dict], out: str) -> None:
     rows = with_ratios(rows)
     print_table(rows)
-    print(f"wrote {write_csv(out, rows, FIELDS)}")
+    print(f"wrote {jobs.save(out, lambda path: write_csv(path, rows, FIELDS))}")
 
 
-def outer(args: argparse.Namespace, argv: list[str]) -> int:
-    """Launch one MPI job per rank count, then print and write the table."""
-    from pcourse.cluster.launch import MPIJobError, mpirun_rows
+# ---- front door 1: the lesson's engines ------------------------------------------------
 
-    if "mnist" in args.workloads and (reason := mnist_missing()):
+
+def run_on(view: Any, spec: StepSpec | None = None, *, progress: bool = True,
+           timeout: float = 3600.0) -> list[dict]:
+    """The benchmark on a running cluster's engines (``mc.view``); rows with ratios.
+
+    ``spec`` defaults to the full run at the cluster's engine count. Without the
+    MNIST files, MNIST is skipped with the reason.
+    """
+    world = jobs.cluster_size(view)
+    spec = spec or StepSpec(ranks=(world,))
+    spec = _without_missing_mnist(spec)
+    spec.check(world)
+    outcome = jobs.on_cluster(view, measure, spec, desc="step benchmark", timeout=timeout,
+                              progress=progress)
+    return with_ratios(outcome.rows)
+
+
+def _without_missing_mnist(spec: StepSpec) -> StepSpec:
+    if "mnist" in spec.workloads and (reason := mnist_missing()):
         print(f"skip mnist: {reason}", flush=True)
-        args.workloads = [w for w in args.workloads if w != "mnist"]
-        if not args.workloads:
-            print("error: no workload can run here; no results written", file=sys.stderr)
-            return 1
-        argv = [*argv, "--workloads", *args.workloads]
-    rows: list[dict] = []
-    for ranks in args.ranks:
-        try:
-            found, _ = mpirun_rows(ranks, ["-m", "pcourse.bench.steps", *argv, "--inner"],
-                                   timeout=args.timeout, env={"OMP_NUM_THREADS": "1"})
-        except MPIJobError as exc:
-            print(f"error: the step benchmark at {ranks} ranks failed: {exc}", file=sys.stderr)
-            return 1
-        rows += found
-    report(rows, args.out)
-    return 0
+        spec = dataclasses.replace(spec, workloads=tuple(w for w in spec.workloads
+                                                         if w != "mnist"))
+        if not spec.workloads:
+            raise jobs.BenchError("no workload can run here")
+    return spec
+
+
+# ---- front door 2: the command line ------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pcourse.bench steps",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", nargs="+", type=int, default=None, help="default: 2 4")
+    p.add_argument("--workloads", nargs="+", choices=["franke", "mnist"], default=None)
+    p.add_argument("--steps", type=int, default=None, help="timed steps per path and round")
+    p.add_argument("--rounds", type=int, default=None, help="turns each path takes")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per path first")
+    p.add_argument("--quick", action="store_true", help="2 ranks, few steps: a smoke test")
+    p.add_argument("--out", default="results/steps.csv", help="the CSV to write")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds for the MPI job")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="run even with far more ranks than this machine has cores")
+    return p
+
+
+def spec_from(args: argparse.Namespace) -> StepSpec:
+    base = StepSpec.smoke() if args.quick else StepSpec()
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(StepSpec)
+             if getattr(args, f.name) is not None}
+    return dataclasses.replace(base, **{k: tuple(v) if isinstance(v, list) else v
+                                        for k, v in given.items()})
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser().parse_args(argv)
-    if args.quick:
-        args.ranks, args.steps, args.rounds, args.warmup = [2], 3, 1, 1
-    if min(args.ranks) < 1 or min(args.steps, args.rounds) < 1 or args.warmup < 0:
-        parser().error("--ranks, --steps and --rounds must be at least 1, --warmup at least 0")
-    batch = workload_config("franke").batch_size
-    if "franke" in args.workloads and any(batch % r for r in args.ranks):
-        parser().error(f"--ranks: Franke's global batch of {batch} must split evenly over the "
-                       f"ranks; use rank counts that divide {batch} (1, 2, 4, 8, ...)")
-    if args.inner or "PMI_SIZE" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ:
-        rows = inner(args)  # launched by outer, or by the user's own mpiexec
-        if rows and not report_rows(rows):
-            report(rows, args.out)
-        return 0
-    return outer(args, argv)
+    p = parser()
+    args = p.parse_args(argv)
+    spec = spec_from(args)
+    try:
+        spec.check()
+    except jobs.BenchError as exc:
+        p.error(str(exc))
+    if launcher() == "mpi":  # a rank of our job, or of the user's own mpiexec
+        jobs.rank_main(measure, spec, lambda outcome: report(outcome.rows, args.out))
+    try:
+        note = jobs.check_ranks(spec.ranks, args.oversubscribe)
+        jobs.check_writable(args.out, "file")
+        spec = _without_missing_mnist(spec)
+    except jobs.BenchError as exc:
+        p.error(f"{exc}\nNothing was started.")
+    if note:
+        print(note)
+    inner = [*argv, "--workloads", *spec.workloads]
+    try:
+        outcome = jobs.launch("pcourse.bench.steps", inner, max(spec.ranks),
+                              timeout=args.timeout, env={"OMP_NUM_THREADS": "1"})
+    except jobs.BenchError as exc:
+        print(f"error: the step benchmark failed: {exc}", file=sys.stderr)
+        if exc.rows:
+            partial = args.out.removesuffix(".csv") + ".partial.csv"
+            done = with_ratios(exc.rows)
+            where = jobs.save(partial, lambda path: write_csv(path, done, FIELDS))
+            print(f"the rows measured before the failure are in {where}", file=sys.stderr)
+        return 1
+    report(outcome.rows, args.out)
+    return 0
 
 
 if __name__ == "__main__":

@@ -159,12 +159,12 @@ def _worker() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the MPI job")
     args = parser.parse_args(argv)
-    if args.worker:
+    from pcourse.cluster.rankinfo import gpu_count, launcher
+
+    if launcher() == "mpi":  # a rank of the job below, or of the user's own mpiexec
         return _worker()
-    from pcourse.cluster.rankinfo import gpu_count
 
     ngpu = gpu_count()
     if ngpu == 0:
@@ -174,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     from pcourse.cluster.launch import MPIJobError, mpirun
 
     try:
-        out = mpirun(ngpu, ["-m", "pcourse.checks.gpu_check", "--worker"], timeout=args.timeout,
-                     check=False)
+        out = mpirun(ngpu, ["-m", "pcourse.checks.gpu_check"], timeout=args.timeout, check=False)
     except MPIJobError as exc:  # the deadline passed
         print(f"FAIL: {exc}")
         return 1

@@ -3,7 +3,10 @@
 It answers the questions a workshop loses its first half hour to: which versions
 are installed, does MPI start engines, which of the four allreduce backends can
 run here (and if not, why not), and does an allreduce across two engines give the
-right answer. It ends with one READY / NOT READY line.
+right answer. It ends with one READY line, or with one NOT READY line per problem,
+each naming one of the :data:`REASONS` below and its fix. They are all the reasons it
+can give: ``python -m pcourse.workshop.troubleshooting`` turns them into the
+instructors' troubleshooting table.
 
 Also a command: ``python -m pcourse.checks.setup_check [-n ENGINES]``.
 """
@@ -14,13 +17,73 @@ import argparse
 import importlib.metadata
 import platform
 import sys
+from dataclasses import dataclass
 
 import ipyparallel as ipp
 
-from pcourse.backends import backend_status
+from pcourse.backends import backend_status, unavailable_reason
 from pcourse.cluster import MPICluster, start_cluster, stop_cluster
+from pcourse.cluster.launch import MPINotFound, find_mpiexec
 
 SMOKE_TIMEOUT = 120.0  # seconds for one backend's allreduce on every engine
+NEEDED = ("mpi", "gloo")  # what every lesson needs; the NCCL backends are a bonus
+UNUSABLE = {"mpi": "mpi-unusable", "gloo": "gloo-unusable"}  # NEEDED -> reason code
+
+# A smoke-test verdict starts with one of these words.
+OK, WRONG, FAILED, HUNG, NOT_TESTED = "OK", "WRONG", "FAILED", "HUNG", "NOT TESTED"
+
+
+@dataclass(frozen=True)
+class Reason:
+    """One way the check can end NOT READY: what it prints, and what to do about it."""
+
+    code: str
+    says: str  # a format string; its fields are filled in where the reason is given
+    fix: str
+
+
+REASONS = {r.code: r for r in (
+    Reason("no-mpiexec", "no mpiexec to start the engines with",
+           "`make setup` installs the `mpich` wheel, which puts `mpiexec` in `.venv/bin`; "
+           "start JupyterLab with `make lab`, which puts it first on PATH. Outside the "
+           "venv: `pip install mpich`, or load your cluster's MPI module."),
+    Reason("cluster-failed", "{n} engines did not start: {error}",
+           "The error and the engines' log above say why. Check MPI alone: "
+           "`.venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py.bench helloworld`. "
+           "Then restart the kernel (it stops engines left from an earlier run) and "
+           "run the check again."),
+    Reason("mpi-unusable", "the mpi backend cannot run here: {why}",
+           "mpi4py is missing from the kernel's environment: run `make setup` and start "
+           "JupyterLab with `make lab` (the kernel must be the course's `.venv`); conda: "
+           "`conda install -c conda-forge mpi4py mpich`."),
+    Reason("gloo-unusable", "the gloo backend cannot run here: {why}",
+           "This torch build has no torch.distributed with Gloo. Install the course's "
+           "torch (`make setup` installs torch==2.13.0 from PyPI; conda: `pytorch` from "
+           "conda-forge)."),
+    Reason("allreduce-failed", "the allreduce over {backend} raised {error}",
+           "The error names the cause. For gloo it is most often a network interface "
+           "the engines cannot use (VPN, firewall): start JupyterLab with "
+           "`GLOO_SOCKET_IFNAME=lo make lab` and run the check again."),
+    Reason("allreduce-wrong", "the allreduce over {backend} gave a wrong sum: {detail}",
+           "Two MPI libraries are mixed: mpi4py built for one, the engines started by "
+           "another's `mpiexec`. Use only the course's venv (`make lab`); if it persists, "
+           "`make clean-venv setup`."),
+    Reason("allreduce-hung", "the allreduce over {backend} gave no answer within {seconds} s",
+           "The engines cannot reach each other, or the machine is overloaded. Close "
+           "other heavy programs; for gloo, start JupyterLab with "
+           "`GLOO_SOCKET_IFNAME=lo make lab`. Restart the kernel and run the check again."),
+    Reason("not-tested", "the {backend} backend was not tested: the engines were stuck in "
+           "an earlier backend",
+           "Fix the backend that hung first (see allreduce-hung), restart the kernel, and "
+           "run the check again."),
+)}
+
+
+def not_ready(code: str, **fields: object) -> None:
+    """Print one NOT READY line for ``REASONS[code]``, and its fix."""
+    reason = REASONS[code]
+    print(f"NOT READY [{code}]: {reason.says.format(**fields)}")
+    print(f"  fix: {reason.fix}")
 
 
 def _version(dist: str) -> str:
@@ -93,15 +156,15 @@ def smoke_test(mc: MPICluster, names: list[str]) -> dict[str, str]:
         try:
             results = mc.view.apply_async(_engine_smoke, name).get(timeout=SMOKE_TIMEOUT)
             ok = all(v == expected for r in results for v in r)
-            verdicts[name] = "OK" if ok else f"WRONG: got {results}, expected {expected}"
+            verdicts[name] = OK if ok else f"{WRONG}: got {results}, expected {expected}"
         except ipp.error.TimeoutError:
             # The engines are still stuck inside that backend: nothing more can run.
-            verdicts[name] = f"FAILED: no answer within {SMOKE_TIMEOUT:.0f} s (hung)"
+            verdicts[name] = f"{HUNG}: no answer within {SMOKE_TIMEOUT:.0f} s"
             for rest in names[names.index(name) + 1:]:
-                verdicts[rest] = "NOT TESTED: the engines were stuck in the previous backend"
+                verdicts[rest] = f"{NOT_TESTED}: the engines were stuck in the previous backend"
             break
         except Exception as exc:  # noqa: BLE001 - a failing backend is a verdict, not a crash
-            verdicts[name] = f"FAILED: {type(exc).__name__}: {exc}"
+            verdicts[name] = f"{FAILED}: {type(exc).__name__}: {exc}"
     return verdicts
 
 
@@ -112,10 +175,14 @@ def run(n: int = 2) -> bool:
     usable = print_backends()
     print()
     try:
+        find_mpiexec()
+    except MPINotFound:
+        not_ready("no-mpiexec")
+        return False
+    try:
         mc = start_cluster(n)
     except Exception as exc:  # noqa: BLE001 - the check reports every failure
-        print(f"cluster: FAILED to start {n} engines: {exc}")
-        print("NOT READY")
+        not_ready("cluster-failed", n=n, error=exc)
         return False
     try:
         print(mc.table())
@@ -129,15 +196,28 @@ def run(n: int = 2) -> bool:
 
 
 def print_verdict(verdicts: dict[str, str]) -> bool:
-    """READY when the MPI and Gloo backends pass the smoke test.
+    """READY when the MPI and Gloo backends pass the smoke test, else why not.
 
     Those two are what every lesson needs; the NCCL backends are a bonus that the
     table above reports. The line is the same on every ready machine, so nbval can
-    check it.
+    check it. ``verdicts`` are :func:`smoke_test`'s; a needed backend missing from them
+    was not usable here.
     """
-    missing = [b for b in ("mpi", "gloo") if verdicts.get(b) != "OK"]
-    if missing:
-        print(f"NOT READY: the {', '.join(missing)} backend failed; see the lines above.")
+    problems = [b for b in NEEDED if verdicts.get(b) != OK]
+    for backend in problems:
+        verdict = verdicts.get(backend)
+        word, _, detail = (verdict or "").partition(": ")
+        if verdict is None:
+            not_ready(UNUSABLE[backend], why=unavailable_reason(backend) or "not tested")
+        elif word == WRONG:
+            not_ready("allreduce-wrong", backend=backend, detail=detail)
+        elif word == HUNG:
+            not_ready("allreduce-hung", backend=backend, seconds=f"{SMOKE_TIMEOUT:.0f}")
+        elif word == NOT_TESTED:
+            not_ready("not-tested", backend=backend)
+        else:
+            not_ready("allreduce-failed", backend=backend, error=detail or verdict)
+    if problems:
         return False
     print("READY")
     return True

@@ -26,8 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -97,6 +96,8 @@ def max_engines() -> int:
 
 
 def _gpu_count() -> int:
+    if "torch" not in sys.modules and not Path("/dev/nvidiactl").exists():
+        return 0  # no NVIDIA driver, so no GPU: a launcher need not load torch to know it
     from pcourse.cluster.rankinfo import gpu_count  # imports torch: only when asked
 
     return gpu_count()
@@ -104,6 +105,8 @@ def _gpu_count() -> int:
 
 class MPIJobError(RuntimeError):
     """An MPI job failed or timed out; the message carries its output tail."""
+
+    rows: list[dict[str, Any]] = []  # mpirun_rows: what the job reported before it failed
 
 
 def mpirun(
@@ -114,13 +117,16 @@ def mpirun(
     env: dict[str, str] | None = None,
     check: bool = True,
     cwd: str | os.PathLike[str] | None = None,
+    echo: Callable[[str], object] | None = None,
     hostfile: str | os.PathLike[str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python *args`` on n MPI ranks; return its completed process (text output).
 
     ``args`` follow the Python interpreter: ``["-m", "pcourse.bench.comm", ...]`` or
-    ``["path/to/script.py", ...]``. ``hostfile`` spreads the ranks over the nodes it
-    lists (see :func:`mpi_launcher`); without it they run here, on loopback.
+    ``["path/to/script.py", ...]``. ``echo`` gets each line of output as it comes
+    (a long benchmark shows its progress), and the output is still returned.
+    ``hostfile`` spreads the ranks over the nodes it lists (see :func:`mpi_launcher`);
+    without it they run here, on loopback.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be at least 1 rank, got {n!r}")
@@ -141,10 +147,9 @@ def mpirun(
             start_new_session=True,  # own process group: the deadline reaps every rank
         )
         try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_group(proc, grace=2.0)  # SIGINT first: the launcher passes on what ranks printed
-            out, _ = proc.communicate()
+            out = _collect(proc, timeout, echo)
+        except subprocess.TimeoutExpired as expired:
+            out = expired.output or ""
             raise MPIJobError(
                 f"`{' '.join(cmd)}` did not finish within {timeout:.0f} s and was killed. "
                 f"Output tail:\n{_tail(out)}"
@@ -161,25 +166,54 @@ def mpirun(
     return result
 
 
+def _collect(proc: subprocess.Popen, timeout: float, echo: Callable[[str], object] | None) -> str:
+    """The job's whole output; with ``echo``, each line also as it arrives.
+
+    On the deadline the job gets SIGINT first, so that the launcher passes on what
+    the ranks printed before it goes, and TimeoutExpired carries that output.
+    """
+    if echo is None:
+        try:
+            return proc.communicate(timeout=timeout)[0]
+        except subprocess.TimeoutExpired:
+            kill_group(proc, grace=2.0)
+            raise subprocess.TimeoutExpired(proc.args, timeout, proc.communicate()[0]) from None
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            echo(line.rstrip("\n"))
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc, grace=2.0)
+        reader.join()
+        raise subprocess.TimeoutExpired(proc.args, timeout, "".join(lines)) from None
+    reader.join()
+    return "".join(lines)
+
+
 def mpirun_rows(
-    n: int, args: Sequence[str], *, timeout: float = 300.0, env: dict[str, str] | None = None
+    n: int, args: Sequence[str], *, timeout: float = 300.0, env: dict[str, str] | None = None,
+    echo: Callable[[str], object] | None = None,
 ) -> tuple[list[dict[str, Any]], str]:
     """Run a job whose rank 0 calls :func:`report_rows`; return (its rows, its output).
 
-    MPIJobError if the job fails, times out or ends without reporting. A job that
-    reported its rows and failed afterwards (a crash while shutting down) still
-    returns them, with a warning: results are never lost to a late error.
+    MPIJobError if the job fails, times out or ends without reporting; its ``rows``
+    are what the job had reported before it failed (a job may report as it goes).
     """
     with tempfile.TemporaryDirectory(prefix="pcourse-rows.") as tmp:
         path = Path(tmp) / "rows.json"
-        extra = {**(env or {}), ROWS_ENV: str(path)}
         try:
-            proc = mpirun(n, args, timeout=timeout, env=extra)
+            proc = mpirun(n, args, timeout=timeout, env={**(env or {}), ROWS_ENV: str(path)},
+                          echo=echo)
         except MPIJobError as exc:
-            if not path.exists():
-                raise
-            warnings.warn(f"the job reported its results, then failed: {exc}", stacklevel=2)
-            return json.loads(path.read_text()), str(exc)
+            exc.rows = json.loads(path.read_text()) if path.exists() else []
+            raise
         if not path.exists():
             raise MPIJobError(f"`{' '.join(proc.args)}` finished but reported no results. "
                               f"Output tail:\n{_tail(proc.stdout)}")

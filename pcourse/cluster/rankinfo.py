@@ -1,10 +1,12 @@
-"""Who am I in the MPI job, and which device do I own?
+"""Who am I in the job, and which device do I own?
 
-Every engine (and every process under ``mpiexec``) calls :func:`init_rank` once. It
-answers from MPI itself rather than launcher-specific variables (MPICH and Open MPI
-name them differently), pins the process to the GPU of its local rank where there
-are GPUs, and gives each rank its share of the CPU cores so that N ranks on one
-machine do not each start a thread per core and fight over them.
+A process is a rank when a launcher started it: ``mpiexec`` (MPICH, Open MPI, Intel
+MPI, Slurm's PMI) or ``torchrun``. :func:`launcher` says which, from the variables
+those launchers set: it is how every command knows it runs as a rank.
+:func:`init_rank` answers rank, size and local rank (from MPI itself, or from
+torchrun's variables), pins the process to the GPU of its local rank (chosen by
+:func:`gpu_for`, the one place that choice is made) and gives each rank its share of
+the CPU cores, so that N ranks on one machine do not each start a thread per core.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
+
+# Set for each rank by: MPICH/Hydra, Intel MPI and srun (PMI); Open MPI; PMIx launchers.
+MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # torchrun (torch.distributed.run)
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,18 @@ class RankInfo:
 _info: RankInfo | None = None
 
 
+def launcher() -> str:
+    """``"mpi"`` if mpiexec started this process, ``"torchrun"`` under torchrun, else ``""``.
+
+    Any size counts, one rank included: ``mpiexec -n 1 cmd`` runs ``cmd`` as a rank.
+    """
+    if any(var in os.environ for var in MPI_RANK_VARS):
+        return "mpi"
+    if all(var in os.environ for var in TORCHRUN_VARS):
+        return "torchrun"
+    return ""
+
+
 def gpu_count() -> int:
     """Number of CUDA devices torch can see (0 without a GPU or a CUDA build)."""
     import torch
@@ -38,8 +57,55 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def gpu_for(local_rank: int) -> int | None:
+    """The GPU a rank owns: local rank i takes GPU i mod (visible GPUs); None without one.
+
+    With more ranks than GPUs on a host, ranks share GPUs (fine for MPI and Gloo);
+    the NCCL backends refuse that case with a clear error.
+    """
+    ngpu = gpu_count()
+    return local_rank % ngpu if ngpu else None
+
+
+def use_gpu(index: int) -> None:
+    """Make GPU ``index`` this process's current device, for torch and (if present) CuPy."""
+    import torch
+
+    torch.cuda.set_device(index)
+    if importlib.util.find_spec("cupy") is not None:
+        try:
+            import cupy
+
+            cupy.cuda.Device(index).use()
+        except Exception:  # noqa: BLE001 - a broken CuPy must not stop a CPU-capable rank
+            pass
+
+
+def mpi_local_rank(comm: Any) -> tuple[int, int]:
+    """(rank, size) among the ranks of ``comm`` on this host. Collective on ``comm``."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
+
+
+def _place() -> tuple[int, int, int, int]:
+    """(rank, size, local rank, local size), from torchrun's variables or from MPI."""
+    if launcher() == "torchrun":
+        env = os.environ
+        local_size = int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), local_size
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    return (world.Get_rank(), world.Get_size(), *mpi_local_rank(world))
+
+
 def init_rank() -> RankInfo:
-    """Find this process's place in the MPI job and pin it to its device and cores.
+    """Find this process's place in the job and pin it to its device and cores.
 
     Idempotent: later calls return the first answer, so a re-run notebook cell
     never moves a rank to another device under live tensors.
@@ -48,41 +114,16 @@ def init_rank() -> RankInfo:
     if _info is not None:
         return _info
     import torch
-    from mpi4py import MPI
 
-    world = MPI.COMM_WORLD
-    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
-    local_rank, local_size = node.rank, node.size
-    node.Free()
-
-    ngpu = gpu_count()
-    if ngpu:
-        # With more ranks than GPUs on a host, ranks share GPUs (fine for MPI and
-        # Gloo); the NCCL backends refuse that case with a clear error.
-        index = local_rank % ngpu
-        torch.cuda.set_device(index)
-        if importlib.util.find_spec("cupy") is not None:
-            try:
-                import cupy
-
-                cupy.cuda.Device(index).use()
-            except Exception:  # noqa: BLE001 - a broken CuPy must not stop a CPU-capable rank
-                pass
-        device = f"cuda:{index}"
-    else:
-        device = "cpu"
-
+    rank, size, local_rank, local_size = _place()
+    index = gpu_for(local_rank)
+    if index is not None:
+        use_gpu(index)
     threads = max(1, (os.cpu_count() or 1) // local_size)
     torch.set_num_threads(threads)
-    _info = RankInfo(
-        rank=world.rank,
-        size=world.size,
-        local_rank=local_rank,
-        local_size=local_size,
-        host=socket.gethostname(),
-        device=device,
-        threads=threads,
-    )
+    _info = RankInfo(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
+                     host=socket.gethostname(), device="cpu" if index is None else f"cuda:{index}",
+                     threads=threads)
     return _info
 
 

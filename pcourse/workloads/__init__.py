@@ -3,16 +3,21 @@
 ``franke``: a small regression net on Franke's function; ``mnist``: a fully
 connected variational auto-encoder on MNIST. :func:`make_workload` builds either
 by name; :class:`~pcourse.workloads.base.Workload` is what the loop needs of one.
+Their configurations (:mod:`pcourse.workloads.config`) are plain data: importing
+this package or a configuration loads no torch, so a launcher stays light.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from pcourse.workloads.config import CONFIGS
 
-from pcourse.workloads.base import Workload
+if TYPE_CHECKING:
+    import torch
+
+    from pcourse.workloads.base import Workload
 
 __all__ = ["WORKLOADS", "Workload", "default_config", "make_workload"]
 
@@ -20,10 +25,18 @@ __all__ = ["WORKLOADS", "Workload", "default_config", "make_workload"]
 WORKLOADS = {"franke": "pcourse.workloads.franke", "mnist": "pcourse.workloads.vae"}
 
 
+def __getattr__(name: str) -> Any:
+    if name == "Workload":  # loads torch: only when asked for
+        from pcourse.workloads.base import Workload
+
+        return Workload
+    raise AttributeError(f"module 'pcourse.workloads' has no attribute {name!r}")
+
+
 def default_config(name: str | Workload) -> Any:
-    if isinstance(name, Workload):
+    if not isinstance(name, str):
         raise ValueError("pass a config (epochs, batch_size, scaling, seed) with a Workload")
-    return _module(name).FrankeConfig() if name == "franke" else _module(name).MNISTConfig()
+    return CONFIGS[_known(name)]()
 
 
 def make_workload(name: str, config: Any, device: torch.device | str = "cpu") -> Workload:
@@ -31,7 +44,11 @@ def make_workload(name: str, config: Any, device: torch.device | str = "cpu") ->
     return _module(name).make_workload(config, str(device))
 
 
-def _module(name: str):
+def _known(name: str) -> str:
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
-    return importlib.import_module(WORKLOADS[name])
+    return name
+
+
+def _module(name: str):
+    return importlib.import_module(WORKLOADS[_known(name)])

@@ -15,13 +15,13 @@ network without communicating.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from pcourse.workloads.base import Workload
+from pcourse.workloads.config import FrankeConfig
+
+__all__ = ["DOMAIN", "FrankeConfig", "franke", "make_data", "make_model", "make_workload"]
 
 DOMAIN = (-1.0, 1.0)  # the source's sampling interval for both x and y
 
@@ -33,38 +33,6 @@ def franke(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     c = 0.5 * torch.exp(-((9 * x - 7) ** 2) / 4 - ((9 * y - 3) ** 2) / 4)
     d = 0.2 * torch.exp(-((9 * x - 4) ** 2) - (9 * y - 7) ** 2)
     return a + b + c - d
-
-
-@dataclass(frozen=True)
-class FrankeConfig:
-    """The source's configuration; ``FrankeConfig.quick()`` is the minutes-scale one.
-
-    ``batch_size`` is the global batch in strong scaling (the source's setting: the
-    same updates at every rank count) and the per-rank batch in weak scaling.
-    """
-
-    n_points: int = 10_000
-    n_test: int = 2_000
-    batch_size: int = 256
-    epochs: int = 100
-    lr: float = 1e-3
-    weight_decay: float = 1e-6
-    gamma: float = 0.98  # ExponentialLR, stepped once per epoch
-    hidden: int = 100
-    seed: int = 12345
-    scaling: str = "strong"
-    dtype: str = "float32"  # "float64" makes rank-count comparisons tighter
-    # One torch thread per rank: 100×100 matrices are too small to split, and the
-    # extra thread only adds waits, which a busy machine turns into whole scheduler
-    # slices (20 epochs on a loaded 2-core box: 0.7 s with 1 thread, 4.6 s with 2;
-    # equal on an idle one). None keeps the rank's share that init_rank set.
-    threads: int | None = 1
-
-    @classmethod
-    def quick(cls, **changes: object) -> FrankeConfig:
-        """A small run for tests and notebooks: 512 points, 2 epochs."""
-        base = cls(n_points=512, n_test=256, batch_size=64, epochs=2)
-        return dataclasses.replace(base, **changes)
 
 
 def make_data(

@@ -16,13 +16,15 @@ from __future__ import annotations
 import gzip
 import os
 import struct
-import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from pcourse.utils.io import atomic_write
+
+if TYPE_CHECKING:  # torch only where tensors are made: a launcher checks the files without it
+    import torch
 
 ENV_VAR = "PCOURSE_MNIST_DIR"
 DOWNLOAD_VAR = "PCOURSE_MNIST_DOWNLOAD"  # "0": never try the network
@@ -107,6 +109,8 @@ def download(
     name: str, folder: Path, mirrors: tuple[str, ...] = MIRRORS, timeout: float = 30.0
 ) -> Path:
     """Fetch ``name``.gz from the first mirror that answers; write it atomically."""
+    import urllib.request
+
     errors = []
     for base in mirrors:
         url = f"{base}{name}.gz"
@@ -143,19 +147,18 @@ def _locate(name: str, folder: Path, allow_download: bool, **kw: object) -> Path
         ) from exc
 
 
-def load_mnist(
+def read_mnist(
     split: str = "test",
     data_dir: str | os.PathLike[str] | None = None,
     *,
     allow_download: bool | None = None,
     limit: int | None = None,
     **download_kw: object,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images as float32 (N, 784) in [0, 1] and labels as int64 (N,).
+) -> tuple[np.ndarray, np.ndarray]:
+    """The checked IDX arrays: images uint8 (N, 28, 28) and labels uint8 (N,).
 
-    ``split`` is "test" (10,000 images) or "train" (60,000); ``limit`` keeps the
-    first ``limit`` images (quick runs). ``allow_download`` None follows
-    $PCOURSE_MNIST_DOWNLOAD (default: yes). ``download_kw``: ``mirrors``, ``timeout``.
+    What :func:`load_mnist` reads, without torch: a launcher checks the files with
+    it before starting any rank. Arguments as for :func:`load_mnist`.
     """
     if allow_download is None:
         allow_download = os.environ.get(DOWNLOAD_VAR, "1") != "0"
@@ -171,5 +174,26 @@ def load_mnist(
         raise MNISTError(f"{img_path}: images are {images.shape[1:]}, expected 28×28")
     if limit is not None:
         images, labels = images[:limit], labels[:limit]
+    return images, labels
+
+
+def load_mnist(
+    split: str = "test",
+    data_dir: str | os.PathLike[str] | None = None,
+    *,
+    allow_download: bool | None = None,
+    limit: int | None = None,
+    **download_kw: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images as float32 (N, 784) in [0, 1] and labels as int64 (N,).
+
+    ``split`` is "test" (10,000 images) or "train" (60,000); ``limit`` keeps the
+    first ``limit`` images (quick runs). ``allow_download`` None follows
+    $PCOURSE_MNIST_DOWNLOAD (default: yes). ``download_kw``: ``mirrors``, ``timeout``.
+    """
+    import torch
+
+    images, labels = read_mnist(split, data_dir, allow_download=allow_download, limit=limit,
+                                **download_kw)
     x = torch.from_numpy(images.reshape(len(images), -1).astype(np.float32) / 255.0)
     return x, torch.from_numpy(labels.astype(np.int64))

@@ -17,16 +17,21 @@ Two choices make data-parallel training give the same updates as serial training
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from matplotlib.figure import Figure
 from torch import nn
 from torch.nn import functional as F
 
 from pcourse.workloads.base import Workload
+from pcourse.workloads.config import MNISTConfig
 from pcourse.workloads.mnist import load_mnist
+
+if TYPE_CHECKING:  # matplotlib loads only where a picture is drawn, never on a training rank
+    from matplotlib.figure import Figure
+
+__all__ = ["VAE", "MNISTConfig", "latent_walk_figure", "make_model", "make_workload",
+           "reconstruction_figure", "vae_loss"]
 
 
 class VAE(nn.Module):
@@ -74,32 +79,6 @@ def vae_loss(
     return per_sample.sum() if reduction == "sum" else per_sample.mean()
 
 
-@dataclass(frozen=True)
-class MNISTConfig:
-    """The VAE run. ``batch_size`` is per rank in weak scaling (the source's way:
-    the batch grows with the engines) and global in strong scaling."""
-
-    split: str = "train"  # full mode: the 60k training split
-    limit: int | None = None  # keep only the first images (quick runs)
-    data_dir: str | None = None  # None: $PCOURSE_MNIST_DIR, then ~/.cache/pcourse/mnist
-    latent: int = 2
-    batch_size: int = 128
-    epochs: int = 10
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    gamma: float = 1.0  # no learning-rate decay unless asked
-    seed: int = 12345
-    scaling: str = "weak"
-    dtype: str = "float32"
-    threads: int | None = None  # keep init_rank's share of the cores: 784×512 layers use them
-
-    @classmethod
-    def quick(cls, **changes: object) -> MNISTConfig:
-        """The 10,000-image test split (present offline), 2,048 images, 2 epochs."""
-        base = cls(split="test", limit=2048, epochs=2)
-        return dataclasses.replace(base, **changes)
-
-
 def make_model(latent: int = 2, seed: int = 12345) -> VAE:
     with torch.random.fork_rng(devices=[]):  # identical on every rank, caller's RNG untouched
         torch.manual_seed(seed)
@@ -145,6 +124,8 @@ def make_workload(config: MNISTConfig | None = None, device: str = "cpu") -> Wor
 @torch.no_grad()
 def reconstruction_figure(model: VAE, images: torch.Tensor, n: int = 10) -> Figure:
     """Originals (top row) above their reconstructions from the mean latent code."""
+    from matplotlib.figure import Figure
+
     model.eval()
     x = images[:n]
     mu, _ = model.encode(x)
@@ -163,6 +144,8 @@ def reconstruction_figure(model: VAE, images: torch.Tensor, n: int = 10) -> Figu
 @torch.no_grad()
 def latent_walk_figure(model: VAE, n: int = 15, span: float = 3.0) -> Figure:
     """Decode an n×n grid over [−span, span]² of the first two latent dimensions."""
+    from matplotlib.figure import Figure
+
     model.eval()
     param = next(model.parameters())
     steps = torch.linspace(-span, span, n, dtype=param.dtype, device=param.device)

@@ -1,11 +1,17 @@
 """Run under mpiexec (2 or 3 ranks): every CPU backend against MPI's own Allreduce.
 
-One launch checks many things, because each launch costs seconds. Failures are
-collected on every rank, gathered to rank 0 and printed; the exit code is 1 if any.
+One launch checks many things, because each launch costs seconds: results of every
+op and dtype, broadcast, barrier, re-creation; bad input (different lengths, dtypes,
+ops, roots; one rank's bad op) as the same error on every rank, after which the
+backend still works; the same constructor keywords everywhere; a backend on an
+existing process group; the rendezvous (MASTER_PORT, interfaces, timeouts, errors on
+every rank) and loopback-only listeners. Failures are collected on every rank,
+gathered to rank 0 and printed; the exit code is 1 if any.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import sys
@@ -13,32 +19,26 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
+from harness import RANK, SIZE, WORLD, expect, raises, verdict
 from mpi4py import MPI
 
-from pcourse.backends import Backend, BackendUnavailable, make_backend
-from pcourse.backends.torch_dist import _pick_port
+from pcourse.backends import (
+    Backend,
+    BackendUnavailable,
+    MismatchError,
+    backend_class,
+    make_backend,
+)
 from pcourse.checks.gpu_check import all_ranks_ok, check_allreduce, table
+from pcourse.cluster.rankinfo import launcher, mpi_local_rank
 
-WORLD = MPI.COMM_WORLD
-RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+LAST = SIZE - 1
 BASIC = (torch.float32, torch.float64, torch.int32, torch.int64)
 HALF = (torch.float16, torch.bfloat16)
 SIZES = (1, 7, 1001, (1 << 19) + 1)  # the last: 2 MB in float32, 4 MB in float64
-failures: list[str] = []
-
-
-def expect(cond: bool, what: str) -> None:
-    if not cond:
-        failures.append(f"rank {RANK}: {what}")
-
-
-def raises(exc: type[BaseException], fn, *args, match: str = "") -> bool:
-    try:
-        fn(*args)
-    except exc as e:
-        return match in str(e)
-    return False
+CPU_BACKENDS = ("mpi", "mpi-pickle", "gloo")
 
 
 def check_allreduce_cases(b: Backend) -> list:
@@ -84,6 +84,69 @@ def check_barrier(b: Backend, folder: str) -> None:
     b.barrier()  # nobody deletes the folder while others still look
 
 
+def check_bad_input(b: Backend) -> None:
+    """Ranks that disagree get the same error on every rank, and nothing moves."""
+    n = b.name
+    mine = torch.full((3 + (RANK == LAST),), float(RANK))
+    expect(raises(MismatchError, b.allreduce, mine, match="length ranges from 3 to 4"),
+           f"{n}: different lengths")
+    expect(torch.equal(mine, torch.full_like(mine, float(RANK))), f"{n}: data moved anyway")
+    dtype = torch.float64 if RANK == LAST else torch.float32
+    expect(raises(MismatchError, b.allreduce, torch.ones(5, dtype=dtype),
+                  match="dtype differs"), f"{n}: different dtypes")
+    expect(raises(MismatchError, b.allreduce_async, torch.ones(5, dtype=dtype),
+                  match="dtype differs"), f"{n}: different dtypes, async")
+    expect(raises(MismatchError, b.allreduce, torch.ones(5), "max" if RANK == LAST else "sum",
+                  match="op differs"), f"{n}: different ops")
+    if RANK == 0:  # bad input on one rank: it says why, the others learn of it
+        expect(raises(ValueError, b.allreduce, torch.ones(5), "mean", match="unknown"),
+               f"{n}: a bad op on rank 0")
+    else:
+        expect(raises(MismatchError, b.allreduce, torch.ones(5), match="refused"),
+               f"{n}: rank 0's bad op did not reach rank {RANK}")
+    expect(raises(MismatchError, b.broadcast, torch.ones(5), RANK, match="root ranges"),
+           f"{n}: different roots")
+    expect(raises(ValueError, b.broadcast, torch.ones(5), SIZE, match="root must be"),
+           f"{n}: a root beyond the last rank")
+    expect(raises(MismatchError, b.broadcast, torch.ones(4 + RANK), 0, match="length"),
+           f"{n}: broadcast of different lengths")
+    x = torch.ones(6)
+    b.allreduce(x)  # in step after all of the above
+    expect(torch.equal(x, torch.full((6,), float(SIZE))), f"{n}: wrong after the errors")
+
+
+def check_keywords(name: str) -> None:
+    """Every backend takes comm, device and timeout; a bad device is refused alike."""
+    half = WORLD.Split(RANK % 2, RANK)  # a sub-communicator: the backend must use it
+    b = make_backend(name, comm=half if name != "gloo" else WORLD, device="cpu", timeout=60.0)
+    x = torch.ones(2)
+    b.allreduce(x)
+    want = half.Get_size() if name != "gloo" else SIZE
+    expect(torch.equal(x, torch.full((2,), float(want))), f"{name}: keywords comm, device")
+    b.close()
+    half.Free()
+    if name == "gloo":
+        expect(raises(ValueError, make_backend, name, device="cuda:0", match="CPU"),
+               "gloo: device='cuda:0' should be refused")
+    expect(backend_class(name).any_device == name.startswith("mpi"), f"{name}: any_device")
+
+
+def check_on_existing_group() -> None:
+    """A gloo backend built on a torch.distributed group someone else made."""
+    owner = make_backend("gloo")
+    guest = make_backend("gloo", comm=owner.group)
+    x = torch.full((3,), float(RANK))
+    guest.allreduce(x)
+    expect(torch.equal(x, torch.full((3,), float(sum(range(SIZE))))), "gloo on a given group")
+    guest.broadcast(x.fill_(RANK), LAST)
+    expect(bool((x == LAST).all()), "gloo on a given group: broadcast")
+    guest.close()
+    y = torch.ones(1)
+    owner.allreduce(y)  # closing the guest left the owner's group alone
+    expect(y.item() == SIZE, "closing a backend closed a group it did not make")
+    owner.close()
+
+
 def check_recreate(name: str) -> None:
     """A re-run notebook cell: make the backend again, without closing the first."""
     first = make_backend(name)
@@ -107,13 +170,38 @@ def check_recreate(name: str) -> None:
     third.close()
 
 
+def listening() -> set[tuple[str, int]]:
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def check_listeners() -> None:
+    """With nothing named, a one-host gloo backend listens on loopback only."""
+    before = listening()
+    b = make_backend("gloo")
+    added = listening() - before
+    b.close()
+    outside = sorted(ip for ip, _ in added if not ipaddress.ip_address(ip).is_loopback)
+    expect(not outside, f"gloo listens beyond loopback on {outside}")
+    expect(bool(added) or RANK != 0, "rank 0 opened no store (the check cannot see listeners)")
+
+
+def with_env(var: str, value: str | None):
+    if value is None:
+        os.environ.pop(var, None)
+    else:
+        os.environ[var] = value
+
+
 def check_master_port() -> None:
-    """MASTER_PORT honoured (twice on the same port), and a busy one a clear error."""
+    """MASTER_PORT honoured (twice on the same port); busy or invalid: one error everywhere."""
     import socket
 
-    os.environ.pop("MASTER_PORT", None)
-    port = WORLD.bcast(_pick_port() if RANK == 0 else None)  # a free one
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    with_env("MASTER_ADDR", "127.0.0.1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = WORLD.bcast(s.getsockname()[1] if RANK == 0 else None)
+    with_env("MASTER_PORT", str(port))
     for _ in range(2):
         b = make_backend("gloo")
         expect(b.address == f"127.0.0.1:{port}", f"gloo: MASTER_PORT ignored ({b.address})")
@@ -123,13 +211,31 @@ def check_master_port() -> None:
     if busy is not None:
         busy.bind(("", 0))
         busy.listen()
-    port = WORLD.bcast(busy.getsockname()[1] if busy else None)
-    os.environ["MASTER_PORT"] = str(port)
-    expect(raises(RuntimeError, make_backend, "gloo", match="MASTER_PORT"),
+    with_env("MASTER_PORT", str(WORLD.bcast(busy.getsockname()[1] if busy else None)))
+    expect(raises(RuntimeError, make_backend, "gloo", match="already in use"),
            "gloo: a busy MASTER_PORT should raise an error naming it")
     if busy is not None:
         busy.close()
-    del os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    for bad in ("70000", "http"):
+        with_env("MASTER_PORT", bad)
+        start = time.monotonic()
+        expect(raises(RuntimeError, make_backend, "gloo", timeout=20, match="not a port"),
+               f"gloo: MASTER_PORT={bad} should be refused on every rank")
+        expect(time.monotonic() - start < 10, f"gloo: MASTER_PORT={bad} took long")
+    with_env("MASTER_ADDR", None)
+    with_env("MASTER_PORT", None)
+
+
+def check_interface_errors() -> None:
+    """An interface name that exists nowhere, or on one rank only: an error on all, fast."""
+    for who in ("all", "last"):
+        start = time.monotonic()
+        with_env("GLOO_SOCKET_IFNAME", "nosuchif0" if who == "all" or RANK == LAST else None)
+        expect(raises(RuntimeError, make_backend, "gloo", timeout=30,
+                      match=f"rank {LAST}: ValueError: GLOO_SOCKET_IFNAME=nosuchif0"),
+               f"gloo: a missing interface on {who} rank(s) is not reported on every rank")
+        expect(time.monotonic() - start < 15, f"gloo: a missing interface ({who}) took long")
+    with_env("GLOO_SOCKET_IFNAME", None)
 
 
 def check_timeout() -> None:
@@ -137,7 +243,7 @@ def check_timeout() -> None:
     b = make_backend("gloo", timeout=3.0)
     if RANK != 0:
         start = time.monotonic()
-        expect(raises(RuntimeError, b.allreduce, torch.ones(4)),
+        expect(raises(RuntimeError, b.allreduce, torch.ones(4), check=False),
                "gloo: a collective missing a rank did not time out")
         expect(time.monotonic() - start < 60, "gloo: the timeout took far too long")
     WORLD.Barrier()
@@ -155,8 +261,9 @@ def check_gpu_refusal() -> None:
         return
     from pcourse.backends.torch_dist import local_gpu
 
-    expect(raises(BackendUnavailable, local_gpu, WORLD, "nccl", match="one GPU per rank"),
-           "local_gpu should refuse ranks without a GPU")
+    local_rank = mpi_local_rank(WORLD)[0]
+    expect(raises(BackendUnavailable, local_gpu, WORLD.allgather, local_rank, "nccl",
+                  match="one GPU per rank"), "local_gpu should refuse ranks without a GPU")
 
 
 class _Broken(Backend):
@@ -167,10 +274,10 @@ class _Broken(Backend):
     def __init__(self) -> None:
         self.rank, self.size = RANK, SIZE
 
-    def allreduce(self, tensor, op="sum"):
+    def allreduce(self, tensor, op="sum", *, check=True):
         return tensor
 
-    def broadcast(self, tensor, root=0):
+    def broadcast(self, tensor, root=0, *, check=True):
         return tensor
 
     def barrier(self):
@@ -178,31 +285,33 @@ class _Broken(Backend):
 
 
 def main() -> int:
+    expect(launcher() == "mpi", f"launcher() under mpiexec says {launcher()!r}")
     folder = WORLD.bcast(tempfile.mkdtemp() if RANK == 0 else None)
     results = []
-    for name in ("mpi", "mpi-pickle", "gloo"):
+    for name in CPU_BACKENDS:
         b = make_backend(name)
         results += check_allreduce_cases(b)
         check_broadcast(b)
         check_barrier(b, folder)
+        check_bad_input(b)
         b.close()
+        check_keywords(name)
         check_recreate(name)
+    check_on_existing_group()
+    check_listeners()
     check_master_port()
+    check_interface_errors()
     check_timeout()
     check_gpu_refusal()
     broken = check_allreduce(_Broken(), (torch.float32,), (7,), ops=("sum",))
     expect(not any(r.ok for r in broken), "harness: a do-nothing backend passed")
     results = all_ranks_ok(results)
-    failures.extend(f"{r.backend} {r.op} {r.dtype} n={r.size}: max error {r.error:.3g}"
-                    for r in results if not r.ok and RANK == 0)
-    problems = [f for fs in WORLD.allgather(failures) for f in fs]
+    for r in results:
+        expect(r.ok or RANK != 0, f"{r.backend} {r.op} {r.dtype} n={r.size}: "
+                                  f"max error {r.error:.3g}")
     if RANK == 0:
-        print(table(results))
-        print("\n".join(problems))
-        print(f"{len(results)} allreduce cases on {SIZE} ranks; "
-              + ("ALL OK" if not problems else f"{len(problems)} FAILURES"))
         shutil.rmtree(folder)
-    return 1 if problems else 0
+    return verdict(f"{len(results)} allreduce cases on {SIZE} ranks", before=table(results))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ ranks skip in some steps) this trains k steps three ways from the same seed:
 - BucketedAllreduce for backends mpi and gloo, overlap on and off, default and tiny
   bucket caps (several buckets).
 
+Then gradient accumulation: two micro-batches per step, the first inside
+``no_sync()``, for BucketedAllreduce and DDP, against the single-process run that
+backpropagates both micro-batches' losses before its step.
+
 Adam with weight decay makes the test sensitive to "no gradient" versus "a zero
 gradient": the first skips the parameter, the second still moves it.
 Prints "buckets ok on N ranks" on rank 0 when every comparison holds.
@@ -17,6 +21,7 @@ Prints "buckets ok on N ranks" on rank 0 when every comparison holds.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import traceback
@@ -88,9 +93,9 @@ def build(name: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adam(params, lr=1e-2, weight_decay=1e-2)
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch of this step, the same on every rank."""
-    gen = torch.Generator().manual_seed(1000 + step)
+def batch(step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global (micro-)batch of this step, the same on every rank."""
+    gen = torch.Generator().manual_seed(1000 + 10 * step + micro)
     x = torch.randn(world.size * SHARD, 3, generator=gen, dtype=torch.float64)
     return x, torch.sin(x)
 
@@ -100,26 +105,30 @@ def forward(model: nn.Module, name: str, x: torch.Tensor, step: int, rank: int) 
     return model(x, flag) if name in ("tied", "branchy") else model(x)
 
 
-def reference(name: str) -> nn.Module:
+def reference(name: str, micros: int = 1) -> nn.Module:
     model, opt = build(name)
     for step in range(STEPS):
-        x, y = batch(step)
-        losses = [F.mse_loss(forward(model, name, x[r::world.size], step, r), y[r::world.size])
-                  for r in range(world.size)]
-        torch.stack(losses).mean().backward()
+        for micro in range(micros):
+            x, y = batch(step, micro)
+            losses = [F.mse_loss(forward(model, name, x[r::world.size], step, r),
+                                 y[r::world.size]) for r in range(world.size)]
+            torch.stack(losses).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=not name.endswith("zeroed"))
     return model
 
 
-def parallel(name: str, wrap) -> nn.Module:
-    """Train on this rank's shard; ``wrap(model)`` returns (module to call, after-backward)."""
+def parallel(name: str, wrap, micros: int = 1) -> nn.Module:
+    """Train on this rank's shard; ``wrap(model)`` returns (module to call, after-backward,
+    no-sync context); all micro-batches but the last run in the no-sync context."""
     model, opt = build(name)
-    net, after_backward = wrap(model)
+    net, after_backward, no_sync = wrap(model)
     for step in range(STEPS):
-        x, y = batch(step)
-        shard = slice(world.rank, None, world.size)
-        F.mse_loss(forward(net, name, x[shard], step, world.rank), y[shard]).backward()
+        for micro in range(micros):
+            x, y = batch(step, micro)
+            shard = slice(world.rank, None, world.size)
+            with no_sync() if micro < micros - 1 else contextlib.nullcontext():
+                F.mse_loss(forward(net, name, x[shard], step, world.rank), y[shard]).backward()
         after_backward()
         opt.step()
         opt.zero_grad(set_to_none=not name.endswith("zeroed"))
@@ -129,14 +138,14 @@ def parallel(name: str, wrap) -> nn.Module:
 def ddp(model: nn.Module):
     # Only the branchy model has parameters without a gradient; DDP must look for them.
     net = DDP(model, find_unused_parameters=isinstance(model, Branchy))
-    return net, lambda: None
+    return net, lambda: None, net.no_sync
 
 
 def bucketed(backend: Backend, overlap: bool, cap: float, seen: list[int]):
     def wrap(model: nn.Module):
         reducer = BucketedAllreduce(model, backend, bucket_cap_mb=cap, overlap=overlap)
         seen.append(len(reducer.buckets))
-        return model, reducer.finish
+        return model, reducer.finish, reducer.no_sync
     return wrap
 
 
@@ -161,6 +170,17 @@ def check(backends: dict[str, Backend]) -> list[str]:
                     compare(got, ref, what + " vs reference", failures)
                     if cap < 1 and seen[0] < 2:
                         failures.append(f"{what}: expected several buckets, got {seen[0]}")
+    for name in ("mlp", "branchy"):  # gradient accumulation
+        ref = reference(name, micros=2)
+        one = reference(name)
+        if all(torch.allclose(p, q) for p, q in zip(ref.parameters(), one.parameters(),
+                                                    strict=True)):
+            failures.append(f"{name}: accumulation cannot be told from one micro-batch")
+        compare(parallel(name, ddp, micros=2), ref, f"{name} DDP no_sync", failures)
+        for bname, backend in backends.items():
+            for overlap in (True, False):
+                got = parallel(name, bucketed(backend, overlap, TINY_CAP_MB, []), micros=2)
+                compare(got, ref, f"{name} {bname} overlap={overlap} no_sync", failures)
     return failures
 
 

@@ -1,11 +1,12 @@
-"""Run under mpiexec (2 or 3 ranks): the training helpers on every CPU backend.
+"""Run under mpiexec (2 or 3 ranks): pcourse.data_parallel on every CPU backend.
 
 - broadcast_parameters makes all ranks identical (checked against rank 0's state
   sent over plain MPI, and with check_consistency);
 - check_consistency names the one parameter a rank perturbed;
 - k steps of data-parallel training equal k steps of serial training on the union
   of the ranks' batches, computed independently inside each rank from the same seed;
-- ranks with different models get a ValueError on every rank, not a hang.
+- ranks with different models, gradients or roots, and models without gradients,
+  get a ValueError on every rank, not a hang (BucketedAllreduce too).
 """
 
 from __future__ import annotations
@@ -13,22 +14,20 @@ from __future__ import annotations
 import sys
 
 import torch
-from mpi4py import MPI
+from harness import RANK, SIZE, WORLD, expect, raises, verdict
 from torch import nn
 
 from pcourse.backends import Backend, make_backend
-from pcourse.data_parallel import average_gradients, broadcast_parameters, check_consistency
+from pcourse.buckets import BucketedAllreduce
+from pcourse.data_parallel import (
+    average_gradients,
+    average_gradients_flat,
+    broadcast_parameters,
+    check_consistency,
+)
 from pcourse.partition import ParallelDataset, partition_indices
 
-WORLD = MPI.COMM_WORLD
-RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 N, BATCH, STEPS, SEED = 97, 4, 3, 2024
-failures: list[str] = []
-
-
-def expect(cond: bool, what: str) -> None:
-    if not cond:
-        failures.append(f"rank {RANK}: {what}")
 
 
 class Tied(nn.Module):
@@ -137,23 +136,28 @@ def check_broadcast_and_consistency(backend: Backend) -> None:
 
 
 def check_mismatch(backend: Backend) -> None:
-    """Different models on different ranks: every rank gets the ValueError."""
+    """Different models, gradients or roots on different ranks: every rank gets the error."""
+    n = backend.name
     model = nn.Linear(4, 3 if RANK == 0 else 5)
-    for fn in (broadcast_parameters, check_consistency):
-        try:
-            fn(model, backend)
-            expect(False, f"{backend.name}: {fn.__name__} accepted different models")
-        except ValueError as exc:
-            expect("different models" in str(exc), f"{backend.name}: message {exc}")
+    for fn in (broadcast_parameters, check_consistency, BucketedAllreduce):
+        expect(raises(ValueError, fn, model, backend, match="every rank must hold the same model"),
+               f"{n}: {fn.__name__} accepted different models")
+    expect(raises(ValueError, broadcast_parameters, nn.Linear(4, 3), backend, root=RANK,
+                   match="root ranges"), f"{n}: broadcast_parameters with different roots")
+    expect(raises(ValueError, broadcast_parameters, nn.Linear(4, 3), backend, root=SIZE,
+                   match="root must be a rank"), f"{n}: broadcast_parameters beyond the last rank")
     same_model = build("mlp", 100)
     if RANK == 1:  # a gradient missing on one rank only
         same_model[4].bias.requires_grad_(False)
     nn.functional.mse_loss(same_model(torch.randn(4, 3)), torch.zeros(4, 1)).backward()
-    try:
-        average_gradients(same_model, backend)
-        expect(False, f"{backend.name}: average_gradients accepted mismatched gradients")
-    except ValueError as exc:
-        expect("gradients" in str(exc), f"{backend.name}: message {exc}")
+    for fn in (average_gradients, average_gradients_flat):
+        expect(raises(ValueError, fn, same_model, backend, match="same gradients"),
+               f"{n}: {fn.__name__} accepted mismatched gradients")
+        expect(raises(ValueError, fn, build("mlp", 100), backend, match="no gradients to average"),
+               f"{n}: {fn.__name__} of a model without gradients")
+    reducer = BucketedAllreduce(build("mlp", 100), backend)
+    expect(raises(ValueError, reducer.finish, match="no rank had a gradient"),
+           f"{n}: BucketedAllreduce.finish() without a backward")
     backend.barrier()  # everyone is still here: nothing hung
 
 
@@ -163,12 +167,7 @@ def main() -> int:
             check_broadcast_and_consistency(backend)
             check_training(backend)
             check_mismatch(backend)
-    problems = [f for fs in WORLD.allgather(failures) for f in fs]
-    if RANK == 0:
-        print("\n".join(problems))
-        print(f"training checks on {SIZE} ranks: "
-              + ("ALL OK" if not problems else f"{len(problems)} FAILURES"))
-    return 1 if problems else 0
+    return verdict(f"data-parallel checks on {SIZE} ranks")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+"""Before any data moves, every rank checks that all ranks called a collective alike.
+
+Collectives are matched by order, not by content: ranks that pass different lengths,
+dtypes, ops or roots deadlock or silently mix data. One tiny allreduce settles it.
+Each rank contributes ``[refused, v, -v, ...]`` for its facts ``v`` and the ranks take
+the elementwise MAX, which gives every fact's largest and smallest value at once;
+they agree when the two are equal. A rank whose own input failed its local checks
+joins with ``refused`` set, so the others raise instead of waiting for it forever.
+
+Used by the from-scratch collectives (lesson 03), every backend (lesson 04) and the
+model fingerprint of :mod:`pcourse.data_parallel`. numpy only: no torch, no MPI here;
+the caller passes the MAX-allreduce of its own transport.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+MaxOverRanks = Callable[[np.ndarray], np.ndarray]  # int64 vector -> elementwise max over ranks
+
+
+class MismatchError(ValueError):
+    """Ranks called one collective with different arguments, or a rank refused its own."""
+
+
+def _code(value: int | str) -> int:
+    # crc32, not hash(): Python salts str hashes per process, crc32 is the same everywhere.
+    return value if isinstance(value, int) else zlib.crc32(value.encode())
+
+
+def agree(
+    facts: Mapping[str, int | str],
+    max_over_ranks: MaxOverRanks,
+    *,
+    subject: str,
+    hint: str,
+    refused: bool = False,
+    error: type[ValueError] = MismatchError,
+) -> None:
+    """Raise ``error`` on every rank unless all ranks passed the same ``facts``.
+
+    Collective: every rank calls it with the same keys, in the same order. Integers
+    are reported as a range, strings (dtypes, ops, shapes) as "differs". ``refused``:
+    this rank's input failed its local checks; it joins so that nobody hangs, and
+    the caller raises its own error afterwards.
+    """
+    codes = [0 if refused else _code(v) for v in facts.values()]
+    mine = np.array([int(refused)] + [x for c in codes for x in (c, -c)], dtype=np.int64)
+    top = max_over_ranks(mine)
+    if refused:
+        return
+    if top[0]:
+        raise error(f"{subject}, but another rank refused its input (see that rank's error); "
+                    "no data moved")
+    diffs = []
+    for i, (key, value) in enumerate(facts.items()):
+        hi, lo = int(top[1 + 2 * i]), -int(top[2 + 2 * i])
+        if hi != lo:
+            if isinstance(value, str):
+                shown = value if len(value) <= 60 else value[:57] + "..."
+                diffs.append(f"{key} differs between ranks (this rank: {shown})")
+            else:
+                diffs.append(f"{key} ranges from {lo} to {hi} (this rank: {value})")
+    if diffs:
+        raise error(f"{subject}, but " + "; ".join(diffs) + f". {hint}")

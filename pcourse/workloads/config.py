@@ -1,0 +1,90 @@
+"""The two workloads' configurations, and how a scaling mode splits the batch.
+
+Plain data, no torch: a benchmark's launcher reads and checks a configuration
+(is the batch divisible by the ranks? are there enough samples?) before it starts
+any rank, without paying for importing torch. :mod:`pcourse.workloads.franke` and
+:mod:`pcourse.workloads.vae` re-export their configuration from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FrankeConfig:
+    """The source's configuration; ``FrankeConfig.quick()`` is the minutes-scale one.
+
+    ``batch_size`` is the global batch in strong scaling (the source's setting: the
+    same updates at every rank count) and the per-rank batch in weak scaling.
+    """
+
+    n_points: int = 10_000
+    n_test: int = 2_000
+    batch_size: int = 256
+    epochs: int = 100
+    lr: float = 1e-3
+    weight_decay: float = 1e-6
+    gamma: float = 0.98  # ExponentialLR, stepped once per epoch
+    hidden: int = 100
+    seed: int = 12345
+    scaling: str = "strong"
+    dtype: str = "float32"  # "float64" makes rank-count comparisons tighter
+    # One torch thread per rank: 100×100 matrices are too small to split, and an
+    # extra thread only adds waits, which a busy machine turns into whole scheduler
+    # slices. None keeps the rank's share that init_rank set.
+    threads: int | None = 1
+
+    @classmethod
+    def quick(cls, **changes: object) -> FrankeConfig:
+        """A small run for tests and notebooks: 512 points, 2 epochs."""
+        base = cls(n_points=512, n_test=256, batch_size=64, epochs=2)
+        return dataclasses.replace(base, **changes)
+
+
+@dataclass(frozen=True)
+class MNISTConfig:
+    """The VAE run. ``batch_size`` is per rank in weak scaling (the source's way:
+    the batch grows with the engines) and global in strong scaling."""
+
+    split: str = "train"  # full mode: the 60k training split
+    limit: int | None = None  # keep only the first images (quick runs)
+    data_dir: str | None = None  # None: $PCOURSE_MNIST_DIR, then ~/.cache/pcourse/mnist
+    latent: int = 2
+    batch_size: int = 128
+    epochs: int = 10
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    gamma: float = 1.0  # no learning-rate decay unless asked
+    seed: int = 12345
+    scaling: str = "weak"
+    dtype: str = "float32"
+    threads: int | None = None  # keep init_rank's share of the cores: 784×512 layers use them
+
+    @classmethod
+    def quick(cls, **changes: object) -> MNISTConfig:
+        """The 10,000-image test split (present offline), 2,048 images, 2 epochs."""
+        base = cls(split="test", limit=2048, epochs=2)
+        return dataclasses.replace(base, **changes)
+
+
+CONFIGS = {"franke": FrankeConfig, "mnist": MNISTConfig}
+
+
+def batch_sizes(scaling: str, batch_size: int, size: int, n_train: int) -> tuple[int, int]:
+    """(per-rank batch, global batch) for a scaling mode; a clear error if it cannot work."""
+    if scaling == "strong":
+        if batch_size % size:
+            raise ValueError(
+                f"strong scaling splits the global batch of {batch_size} equally over "
+                f"{size} ranks; choose a batch size divisible by the number of ranks"
+            )
+        local, global_ = batch_size // size, batch_size
+    elif scaling == "weak":
+        local, global_ = batch_size, batch_size * size
+    else:
+        raise ValueError(f"unknown scaling {scaling!r}; use 'strong' or 'weak'")
+    if n_train < size:
+        raise ValueError(f"{size} ranks but only {n_train} training samples: use fewer ranks")
+    return local, global_

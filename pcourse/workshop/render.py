@@ -1,0 +1,271 @@
+"""Turn the measured lesson times into the tables of ``index.ipynb`` and ``INSTRUCTORS.md``.
+
+Each table sits between two markers in its file::
+
+    <!-- BEGIN generated: NAME (python -m pcourse.workshop.timings --render) -->
+    ...
+    <!-- END generated: NAME -->
+
+and is rewritten in place from ``docs/lesson_timings.json``, so no duration is ever
+typed by hand, and the index, the guide and the measurements cannot drift apart
+(``tests/test_workshop.py`` checks that they agree).
+
+A workshop plan adds to each lesson's measured run time the time to read and explain
+it (its narrative's words at :data:`READING_WPM`) and, for an exercise, the time to
+write the code (:data:`EXERCISE_MINUTES`): the two assumptions, stated in the table.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+from pcourse.utils.io import atomic_write
+from pcourse.workshop.course import EXERCISE_AFTER, Entry, entries, readme_summaries
+
+READING_WPM = 100  # words per minute, read and explained aloud in a room
+EXERCISE_MINUTES = 20  # to write the code of one exercise, on top of reading and running it
+SESSION_MINUTES = 90  # one teaching block between breaks
+BREAK_MINUTES = 15
+PLANS = {"half day": 2, "full day": 4}  # sessions of SESSION_MINUTES
+TARGETS = {"index.ipynb": ("course-index",),
+           "INSTRUCTORS.md": ("lesson-needs", "workshop-plans", "troubleshooting")}
+_GPU_WORDS = re.compile(r"nccl|cuda|gpu", re.I)
+
+
+def begin(name: str) -> str:
+    return f"<!-- BEGIN generated: {name} (python -m pcourse.workshop.timings --render) -->"
+
+
+def end(name: str) -> str:
+    return f"<!-- END generated: {name} -->"
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    """``text`` with what lies between block ``name``'s markers replaced by ``body``."""
+    b, e = begin(name), end(name)
+    if text.count(b) != 1 or text.count(e) != 1 or text.index(b) > text.index(e):
+        raise ValueError(f"expected one pair of markers for {name!r}:\n{b}\n...\n{e}")
+    head, rest = text.split(b)
+    _, tail = rest.split(e)
+    return f"{head}{b}\n{body.strip()}\n{e}{tail}"
+
+
+def duration(seconds: float | None) -> str:
+    """Seconds as a person reads them: "45 s", "3 min", "1 h 05 min"."""
+    if seconds is None:
+        return "not measured"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def _run(data: dict, mode: str, path: Path) -> dict | None:
+    return data.get(mode, {}).get("runs", {}).get(str(path))
+
+
+def _seconds(data: dict, mode: str, path: Path) -> float | None:
+    run = _run(data, mode, path)
+    return None if run is None else run["seconds"]
+
+
+def _cell(data: dict, mode: str, path: Path, has_full: bool) -> str:
+    """One time cell of a table: the duration, or why there is none."""
+    if mode == "full" and not has_full:
+        return "same as quick"
+    run = _run(data, mode, path)
+    if run is None:
+        return "not measured"
+    text = duration(run["seconds"])
+    return text if run["status"] == "ok" else f"{text} ({run['status']})"
+
+
+def _has_full(root: Path, path: Path) -> bool:
+    nb = nbformat.read(root / path, as_version=4)
+    return any(c.cell_type == "code" and re.search(r"^FULL\s*=", c.source, re.M)
+               for c in nb.cells)
+
+
+def _words(root: Path, path: Path) -> int:
+    nb = nbformat.read(root / path, as_version=4)
+    return sum(len(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
+
+
+def _needs_gpu(root: Path, path: Path) -> str:
+    nb = nbformat.read(root / path, as_version=4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    return "optional: its NCCL / GPU cells" if _GPU_WORDS.search(code) else "no"
+
+
+def _machine(data: dict, mode: str) -> str:
+    m = data.get(mode, {}).get("machine")
+    if not m:
+        return f"{mode} mode: not measured yet"
+    loads = [r["load"] for r in data[mode].get("runs", {}).values()]
+    busy = (f"; other work shared the machine (load average up to {max(loads):.1f} on "
+            f"{m['cores']} cores), so these times are high" if loads and max(loads) > m["cores"]
+            else "")
+    return (f"{mode} mode measured on {m['cores']} cores, {m['memory_gib']} GiB, "
+            f"{m['gpus']} GPUs, torch {m['torch']}, on {m['date']}{busy}")
+
+
+def _link(e: Entry) -> str:
+    return f"[{e.number} · {e.title}]({e.path.as_posix()})"
+
+
+def course_index(data: dict, root: Path) -> str:
+    """The learner's table of lessons and exercises, with how long each runs."""
+    summary = readme_summaries(root)
+    lines = ["| lesson | what you learn | runs in (quick mode) | full mode |",
+             "|---|---|---|---|"]
+    for e in entries("notebooks", root):
+        full = _has_full(root, e.path)
+        lines.append(f"| {_link(e)} | {summary.get(e.number, e.title)} | "
+                     f"{_cell(data, 'quick', e.path, full)} | "
+                     f"{_cell(data, 'full', e.path, full)} |")
+    lines += ["", "| exercise | after lesson | runs in, once solved | solution |",
+              "|---|---|---|---|"]
+    for e in entries("exercises", root):
+        solution = Path("solutions") / e.path.name
+        lines.append(f"| {_link(e)} | {EXERCISE_AFTER.get(e.name, '?')} | "
+                     f"{_cell(data, 'quick', solution, False)} | "
+                     f"[{e.name}]({solution.as_posix()}) |")
+    lines += ["", f"Run times: {_machine(data, 'quick')}; {_machine(data, 'full')}."]
+    return "\n".join(lines)
+
+
+def lesson_needs(data: dict, root: Path) -> str:
+    """The instructor's table: time, ranks, memory and GPUs per notebook, both modes."""
+    lines = ["| notebook | quick mode | full mode | MPI ranks at once (quick / full) "
+             "| peak memory (quick / full) | GPU |", "|---|---|---|---|---|---|"]
+    for e in entries("notebooks", root) + entries("solutions", root):
+        full = _has_full(root, e.path)
+        quick = _run(data, "quick", e.path)
+        big = _run(data, "full", e.path) if full else quick
+        ranks = " / ".join(str(r["ranks"]) if r else "?" for r in (quick, big))
+        memory = " / ".join(f"{r['peak_mib'] / 1024:.1f} GiB" if r else "?"
+                            for r in (quick, big))
+        lines.append(f"| {e.path.as_posix()} | {_cell(data, 'quick', e.path, full)} | "
+                     f"{_cell(data, 'full', e.path, full)} | {ranks} | {memory} | "
+                     f"{_needs_gpu(root, e.path)} |")
+    lines += ["", f"{_machine(data, 'quick')}.", "", f"{_machine(data, 'full')}.", "",
+              "Ranks: the most MPI processes alive at once (engines and the MPI jobs a cell "
+              "launches); fewer cores than ranks still works, only slower. Memory: the "
+              "peak of the kernel's and all its processes' resident memory added up "
+              "(shared pages counted once per process, so an upper bound)."]
+    return "\n".join(lines)
+
+
+@dataclass
+class _Item:
+    kind: str  # "lesson" or "exercise"
+    entry: Entry
+    run_s: float | None
+    minutes: int
+
+
+def _items(data: dict, root: Path) -> list[_Item]:
+    """Lessons in order, each followed by the exercises that practise it."""
+    exercises = entries("exercises", root)
+    items = []
+    for lesson in entries("notebooks", root):
+        run = _seconds(data, "quick", lesson.path)
+        talk = _words(root, lesson.path) / READING_WPM
+        items.append(_Item("lesson", lesson, run, math.ceil(talk + (run or 0) / 60)))
+        for ex in (x for x in exercises if EXERCISE_AFTER.get(x.name) == lesson.number):
+            run = _seconds(data, "quick", Path("solutions") / ex.path.name)
+            talk = _words(root, ex.path) / READING_WPM + EXERCISE_MINUTES
+            items.append(_Item("exercise", ex, run, math.ceil(talk + (run or 0) / 60)))
+    return items
+
+
+def _clock(minutes: int) -> str:
+    return f"{minutes // 60}:{minutes % 60:02d}"
+
+
+def plan(items: list[_Item], sessions: int) -> tuple[list[str], list[_Item]]:
+    """Table rows for a day of ``sessions`` blocks, and the items that did not fit.
+
+    Items keep the course order; one that does not fit in what is left of a block
+    starts the next block; the plan ends at the first item that fits in no block.
+    """
+    rows, now, used, session = [], 0, 0, 1
+    for i, item in enumerate(items):
+        if used + item.minutes > SESSION_MINUTES and used > 0:
+            if session == sessions:
+                return rows, items[i:]
+            now, used, session = now + BREAK_MINUTES, 0, session + 1
+            rows.append(f"| {_clock(now - BREAK_MINUTES)} | break | | {BREAK_MINUTES} |")
+        run = duration(item.run_s)
+        rows.append(f"| {_clock(now)} | {item.kind} | {_link(item.entry)} | "
+                    f"{item.minutes} (runs in {run}) |")
+        now, used = now + item.minutes, used + item.minutes
+    return rows, []
+
+
+def workshop_plans(data: dict, root: Path) -> str:
+    """A half-day and a full-day plan, in course order, from the measured quick-mode times."""
+    items = _items(data, root)
+    out = [f"Minutes per item = the measured quick-mode run time + its narrative's words "
+           f"read and explained at {READING_WPM} words a minute + {EXERCISE_MINUTES} min "
+           f"to write each exercise's code. Blocks of {SESSION_MINUTES} min, "
+           f"{BREAK_MINUTES} min breaks. {_machine(data, 'quick')}."]
+    for name, sessions in PLANS.items():
+        rows, left = plan(items, sessions)
+        out += ["", f"**{name.capitalize()}** ({sessions} blocks of {SESSION_MINUTES} min)", "",
+                "| start | | notebook | minutes |", "|---|---|---|---|", *rows]
+        if left:
+            out += ["", "Not in this plan (homework, or the next day): "
+                    + ", ".join(_link(i.entry) for i in left) + "."]
+    return "\n".join(out)
+
+
+def _troubleshooting(data: dict, root: Path) -> str:
+    from pcourse.workshop.troubleshooting import table
+
+    return table()
+
+
+BLOCKS = {"course-index": course_index, "lesson-needs": lesson_needs,
+          "workshop-plans": workshop_plans, "troubleshooting": _troubleshooting}
+
+
+def updated(data: dict, root: Path) -> dict[Path, str]:
+    """Each target file's text as it should be, from ``data``.
+
+    Every block of :data:`TARGETS` must be in its file: a lost marker is an error, not
+    a table that silently stops being updated.
+    """
+    out = {}
+    for rel, names in TARGETS.items():
+        path = root / rel
+        nb = nbformat.read(path, as_version=4) if rel.endswith(".ipynb") else None
+        parts = [c for c in nb.cells if c.cell_type == "markdown"] if nb else []
+        text = path.read_text()
+        for name in names:
+            body = BLOCKS[name](data, root)
+            if nb is None:
+                text = replace_block(text, name, body)
+                continue
+            cell = next((c for c in parts if begin(name) in c.source), None)
+            if cell is None:
+                raise ValueError(f"{rel}: no markdown cell with the markers of {name!r}")
+            cell.source = replace_block(cell.source, name, body)
+        out[path] = text if nb is None else nbformat.writes(nb) + "\n"
+    return out
+
+
+def rewrite(data: dict, root: Path) -> list[Path]:
+    """Rewrite the generated blocks in place; return the files that changed."""
+    changed = []
+    for path, text in updated(data, root).items():
+        if path.read_text() != text:
+            with atomic_write(path) as f:
+                f.write(text)
+            changed.append(path)
+    return changed
