@@ -108,14 +108,13 @@ def test_several_nodes_are_an_explicit_choice(tmp_path):
     """Loopback by default; a hostfile makes the controller and MPI reachable from other nodes."""
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
-    here, here_env = launch.mpi_launcher()
-    there, there_env = launch.mpi_launcher(hosts)
-    assert there == [launch.find_mpiexec(), "-f", str(hosts)] and there_env == {}
-    assert "-f" not in here
-    local = cl._make_cluster(2, tmp_path, here, here_env, None)
-    multi = cl._make_cluster(2, tmp_path, there, there_env, hosts)
+    here, there = launch.mpi_launcher(), launch.mpi_launcher(hosts)
+    assert there.command == [launch.find_mpiexec(), "-f", str(hosts)] and there.env == {}
+    assert "-f" not in here.command
+    local = cl._make_cluster(2, tmp_path, here, {}, None)
+    multi = cl._make_cluster(2, tmp_path, there, {}, hosts)
     assert local.controller_ip == "127.0.0.1" and multi.controller_ip == "*"
-    assert multi.config.MPILauncher.mpi_cmd == there
+    assert multi.config.MPILauncher.mpi_cmd == there.command
 
 
 def test_start_progress_leaves_nothing_in_a_notebook_cell(monkeypatch):

@@ -170,3 +170,13 @@ def _wait_for(probe, timeout: float = 60.0):
             return value
         time.sleep(0.1)
     return None
+
+
+@pytest.mark.mpi
+def test_every_character_the_ranks_print_comes_back(tmp_path: Path) -> None:
+    # Lessons and benchmarks print ×, α, β; a launcher that chokes on them loses output.
+    body = ("from mpi4py import MPI\nprint(f'rank {MPI.COMM_WORLD.rank}: α×β', flush=True)\n"
+            "sys.stderr.write('stderr: ü\\n')\nprint('after', flush=True)")
+    out = mpirun(2, [_script(tmp_path, body)], timeout=60).stdout
+    assert "rank 0: α×β" in out and "rank 1: α×β" in out
+    assert out.count("stderr: ü") == 2 and out.count("after") == 2

@@ -41,7 +41,7 @@ import ipyparallel as ipp
 from IPython.paths import get_ipython_dir
 
 from pcourse.cluster.interrupts import INTERRUPT_GRACE
-from pcourse.cluster.launch import MPINotFound, max_engines, mpi_launcher
+from pcourse.cluster.launch import Launcher, MPINotFound, find_mpiexec, max_engines, mpi_launcher
 from pcourse.cluster.rankinfo import RankInfo, gpu_count
 from pcourse.cluster.reaper import MARK, end_cluster, kill_marked
 
@@ -222,13 +222,13 @@ def start_cluster(
     stop_cluster()
     sweep_stale_clusters()
     try:
-        launcher, launcher_env = mpi_launcher(hostfile)
+        launcher = mpi_launcher(hostfile)
     except MPINotFound as exc:
         raise ClusterError(str(exc)) from None
 
     folder = Path(tempfile.mkdtemp(prefix=f"pcourse-cluster-{os.getpid()}-"))
     reaper = _start_reaper(folder)
-    cluster = _make_cluster(n, folder, launcher, {**launcher_env, **(env or {})}, hostfile)
+    cluster = _make_cluster(n, folder, launcher, env or {}, hostfile)
     progress = _Progress(n)
     client = None
     try:
@@ -253,11 +253,11 @@ def start_cluster(
     return _current
 
 
-def _make_cluster(n: int, folder: Path, launcher: list[str], engine_env: dict[str, str],
+def _make_cluster(n: int, folder: Path, launcher: Launcher, env: dict[str, str],
                   hostfile: str | os.PathLike[str] | None) -> ipp.Cluster:
     """The ipyparallel cluster, configured but not started: where it listens, what it runs."""
-    path_env = {"PATH": f"{Path(launcher[0]).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-                MARK: str(folder)}
+    mpi_bin = Path(find_mpiexec()).parent
+    path_env = {"PATH": f"{mpi_bin}{os.pathsep}{os.environ.get('PATH', '')}", MARK: str(folder)}
     cluster = ipp.Cluster(
         engines="mpi",
         n=n,
@@ -265,10 +265,12 @@ def _make_cluster(n: int, folder: Path, launcher: list[str], engine_env: dict[st
         cluster_id="pcourse",
         controller_ip="127.0.0.1" if hostfile is None else "*",
         log_level=logging.WARNING,
-        shutdown_atexit=False,  # ours (stop_cluster) asks the engines first, and is bounded
+        shutdown_atexit=False,  # ours (stop_cluster) is bounded and leaves nothing behind
     )
-    cluster.config.MPILauncher.mpi_cmd = launcher
-    cluster.config.MPIEngineSetLauncher.environment = {**path_env, **engine_env}
+    cluster.config.MPILauncher.mpi_cmd = launcher.command
+    cluster.config.MPIEngineSetLauncher.engine_cmd = [*launcher.wrap, sys.executable, "-m",
+                                                      "ipyparallel.engine"]
+    cluster.config.MPIEngineSetLauncher.environment = {**path_env, **launcher.env, **env}
     cluster.config.LocalControllerLauncher.environment = path_env
     return cluster
 

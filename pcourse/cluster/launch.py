@@ -28,6 +28,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,10 +72,24 @@ def loopback_env() -> dict[str, str]:
             "OMPI_MCA_oob_tcp_if_include": lo}
 
 
-def mpi_launcher(
-    hostfile: str | os.PathLike[str] | None = None,
-) -> tuple[list[str], dict[str, str]]:
-    """The command that starts ranks (``-n N`` and the program follow), and its environment.
+@dataclass(frozen=True)
+class Launcher:
+    """How to start ranks: ``[*command, "-n", N, *wrap, program...]``, with ``env`` added."""
+
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    wrap: list[str] = field(default_factory=list)  # goes before each rank's program
+
+
+# MPICH's gforker stops forwarding a rank's output at its first non-ASCII byte, and
+# closes the pipe (the rank's next write fails). So its ranks write around it: the
+# launcher's stdout is kept as fd 3, every rank inherits it and writes there.
+_KEEP_STDOUT = ["sh", "-c", 'exec 3>&1; exec "$@"', "sh"]
+_WRITE_TO_KEPT = ["sh", "-c", 'exec "$@" 1>&3 2>&3 3>&-', "sh"]
+
+
+def mpi_launcher(hostfile: str | os.PathLike[str] | None = None) -> Launcher:
+    """How to start ranks: on this machine, or (``hostfile``) on the nodes it lists.
 
     Without ``hostfile`` every rank runs here and nothing listens beyond loopback.
     MPICH's usual launcher (hydra) always listens on all interfaces, for its proxies
@@ -84,10 +99,12 @@ def mpi_launcher(
     """
     mpiexec = find_mpiexec()
     if hostfile is not None:
-        return [mpiexec, "-f", str(hostfile)], {}
-    gforker = Path(mpiexec).with_name("mpiexec.gforker")
+        return Launcher([mpiexec, "-f", str(hostfile)])
     env = {k: v for k, v in loopback_env().items() if k not in os.environ}  # the user's choice wins
-    return [str(gforker) if gforker.exists() else mpiexec], env
+    gforker = Path(mpiexec).with_name("mpiexec.gforker")
+    if gforker.exists() and shutil.which("sh"):
+        return Launcher([*_KEEP_STDOUT, str(gforker)], env, list(_WRITE_TO_KEPT))
+    return Launcher([mpiexec], env)
 
 
 def max_engines() -> int:
@@ -130,18 +147,20 @@ def mpirun(
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be at least 1 rank, got {n!r}")
-    launcher, launch_env = mpi_launcher(hostfile)
+    launcher = mpi_launcher(hostfile)
     full_env = dict(os.environ)
-    full_env["PATH"] = f"{Path(launcher[0]).parent}{os.pathsep}{full_env.get('PATH', '')}"
-    full_env.update(launch_env)
+    mpi_bin = Path(find_mpiexec()).parent
+    full_env["PATH"] = f"{mpi_bin}{os.pathsep}{full_env.get('PATH', '')}"
+    full_env.update(launcher.env)
     full_env.update(env or {})
-    cmd = [*launcher, "-n", str(n), sys.executable, *args]
+    cmd = [*launcher.command, "-n", str(n), *launcher.wrap, sys.executable, *args]
     with ends_with_launcher():
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            errors="replace",  # a rank cut off mid-character must not cost the rest
             env=full_env,
             cwd=cwd,
             start_new_session=True,  # own process group: the deadline reaps every rank

@@ -18,10 +18,8 @@ import os
 import re
 import secrets
 import socket
-import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -30,7 +28,6 @@ from typing import IO, Any
 # (another host on a shared file system): no results file takes a day to write.
 STALE_AFTER = 24 * 3600.0
 _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)@(?P<host>[^@/]+)\.[0-9a-f]{8}\.tmp$")
-_fallback: Path | None = None
 
 
 @contextmanager
@@ -110,57 +107,20 @@ def _alive(pid: int) -> bool:
 def write_csv(
     path: str | os.PathLike[str], rows: Iterable[Mapping[str, Any]], fields: list[str]
 ) -> Path:
-    """Write ``rows`` (dicts) as a CSV with the given columns, atomically; return where.
-
-    If ``path`` cannot be written, the rows are saved in a temporary folder instead
-    and that path is returned (see :func:`save_results`).
-    """
-    rows = list(rows)
-
-    def write(target: Path) -> None:
-        f: IO[str]
-        with atomic_write(target, newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            for row in rows:
-                writer.writerow({k: row.get(k, "") for k in fields})
-
-    return save_results(path, write)
+    """Write ``rows`` (dicts) as a CSV with the given columns, atomically."""
+    f: IO[str]
+    with atomic_write(path, newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row.get(k, "") for k in fields})
+    return Path(path)
 
 
 def savefig_atomic(fig: Any, path: str | os.PathLike[str], **kwargs: Any) -> Path:
-    """Save a matplotlib figure atomically (format from the path's suffix); return where."""
+    """Save a matplotlib figure atomically (format from the path's suffix)."""
     path = Path(path)
     kwargs.setdefault("format", path.suffix.lstrip(".") or "png")
-
-    def write(target: Path) -> None:
-        with atomic_write(target, "wb") as f:
-            fig.savefig(f, **kwargs)
-
-    return save_results(path, write)
-
-
-def save_results(path: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
-    """``write(path)``; if the file system refuses, ``write`` into a temporary folder.
-
-    Results take minutes to compute and a folder can vanish or turn read-only
-    meanwhile; losing them to that is worse than finding them elsewhere. The new
-    place is returned and said on stderr.
-    """
-    path = Path(path)
-    try:
-        write(path)
-        return path
-    except OSError as exc:
-        elsewhere = _fallback_folder() / path.name
-        write(elsewhere)
-        print(f"could not write {path} ({exc.strerror or exc}); saved it to {elsewhere} instead",
-              file=sys.stderr, flush=True)
-        return elsewhere
-
-
-def _fallback_folder() -> Path:
-    global _fallback
-    if _fallback is None or not _fallback.is_dir():
-        _fallback = Path(tempfile.mkdtemp(prefix="pcourse-results-"))
-    return _fallback
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, **kwargs)
+    return path
