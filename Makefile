@@ -13,7 +13,7 @@ STAMP := $(VENV)/.pcourse-installed
 RUN := PATH="$(BIN):$$PATH"
 NOTEBOOKS ?= notebooks
 
-.PHONY: setup lab test lint gpu-check clean-venv exercises grade
+.PHONY: setup lab test lint gpu-check clean-venv exercises grade grade-class
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,3 +56,9 @@ exercises: setup
 # Grade every exercise (or: make grade NOTEBOOKS_TO_GRADE="exercises/01_partitioner.ipynb").
 grade: setup
 	$(RUN) $(PY) -m pcourse.grading.grade $(NOTEBOOKS_TO_GRADE)
+
+# Grade a class: CLASS/<learner>/<exercise>.ipynb for every learner; writes CLASS/grades.csv
+# and CLASS/gradebook.csv (GRADE_ARGS="-j 4 --timeout 300 --out results/" to change).
+grade-class: setup
+	@test -n "$(CLASS)" || { echo "usage: make grade-class CLASS=path/to/submissions"; exit 2; }
+	$(RUN) $(PY) -m pcourse.grading.grade --class "$(CLASS)" $(GRADE_ARGS)
