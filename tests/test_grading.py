@@ -21,6 +21,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from pcourse.cluster.launch import mpirun
 from pcourse.grading import exercises as ex
 from pcourse.grading import submission
 from pcourse.grading.grade import (
@@ -170,6 +171,14 @@ def test_strip_and_inject_round_trip():
     assert filled.cells[0].source == "def f(x):\n    y = 1\n    return x - y"
     with pytest.raises(ValueError, match="1 regions"):
         ex.inject(nb, ["a", "b"])
+
+
+# ---------------------------------------------------------------- what the learner's code meets
+
+def test_the_checks_communicator_counts_blocks_honestly_and_gives_up_on_deadlocks():
+    """Synchronous sends, deadlines on every wait, reversed sub-worlds (tests/mpi)."""
+    done = mpirun(3, [str(REPO / "tests/mpi/check_grading_comm.py")], timeout=120)
+    assert done.stdout.count(": ok") == 3, done.stdout
 
 
 # ---------------------------------------------------------------- reading a submission (fast)

@@ -35,7 +35,7 @@ from pcourse.grading import comm as _comm
 from pcourse.grading.comm import Call, CountingComm, DeadlockError  # noqa: F401 - re-exported
 
 SIZES = (2, 3)  # world sizes every check runs at: the engines a notebook starts
-RUN_TIMEOUT = 20.0  # seconds for one trial on every rank; a correct one takes well under 1
+RUN_TIMEOUT = 20.0  # seconds for one trial on every rank: far more than a correct one needs
 ERROR_GRACE = 3.0  # seconds the other ranks get to finish once one rank has failed
 CLUSTER_ENV = "PCOURSE_GRADER_CLUSTER"  # set by the grader: its cluster's client file
 

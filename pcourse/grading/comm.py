@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-OP_TIMEOUT = 5.0  # seconds one MPI call may wait for its partners; a correct one needs ms
+OP_TIMEOUT = 5.0  # seconds one MPI call may wait for its partners: more than a correct one needs
 
 _HERE = str(Path(__file__).resolve().parent)
 

@@ -44,7 +44,7 @@ from pcourse.utils.io import write_csv
 
 REPO = Path(__file__).resolve().parents[2]
 SOLUTIONS = REPO / "solutions"
-NOTEBOOK_TIMEOUT = 240.0  # seconds per notebook; a correct one takes well under a minute
+NOTEBOOK_TIMEOUT = 240.0  # seconds per notebook, kernel start included; a setting, not a measure
 EXCEPTION = re.compile(r"raised ([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))")
 
 
