@@ -199,6 +199,11 @@ WRONG: dict[str, dict[str, Wrong]] = {
                 if p.grad is not None:
                     comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
                     p.grad /= 2"""], "at 3 ranks"),
+        "divided by 2, saved with PASS under every check": Wrong("saved", [RIGHT, """
+            for p in model.parameters():
+                if p.grad is not None:
+                    comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
+                    p.grad /= 2"""], "at 3 ranks", saved("PASS")),
         "forgot to divide by the world size": Wrong("point", ["""
             for p in model.parameters():
                 if p.grad is not None:
