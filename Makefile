@@ -17,8 +17,8 @@ RUN := PATH="$(BIN):$$PATH"
 LAB_ROOT ?= .
 LAB_INDEX ?= index.ipynb
 
-.PHONY: setup lab test test-fast lint gpu-check clean-venv exercises grade reset timings \
-	troubleshooting browser
+.PHONY: setup lab test test-fast lint gpu-check clean-venv exercises grade grade-class reset \
+	timings troubleshooting browser
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,12 @@ exercises: setup
 # Grade every exercise (or: make grade NOTEBOOKS_TO_GRADE="exercises/01_partitioner.ipynb").
 grade: setup
 	$(RUN) $(PY) -m pcourse.grading.grade $(NOTEBOOKS_TO_GRADE)
+
+# Grade a class: CLASS/<learner>/<exercise>.ipynb for every learner; writes CLASS/grades.csv
+# and CLASS/gradebook.csv (GRADE_ARGS="-j 4 --timeout 300 --out results/" to change).
+grade-class: setup
+	@test -n "$(CLASS)" || { echo "usage: make grade-class CLASS=path/to/submissions"; exit 2; }
+	$(RUN) $(PY) -m pcourse.grading.grade --class "$(CLASS)" $(GRADE_ARGS)
 
 # The instructor's kit (see INSTRUCTORS.md).
 # Put a notebook back as shipped, keeping the learner's version in backups/:

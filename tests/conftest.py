@@ -36,6 +36,7 @@ SESSION_MARK = "PCOURSE_TEST_SESSION"
 os.environ[SESSION_MARK] = uuid.uuid4().hex
 
 _CLUSTER_MARKERS = ("ipyparallel.engine", "ipyparallel.controller", "ipengine", "ipcontroller",
+                    "pcourse.cluster.reaper",
                     "mpiexec", "hydra_pmi_proxy")
 
 

@@ -2,19 +2,38 @@
 
 from __future__ import annotations
 
+import io
 import os
+import sys
 
 import psutil
 import pytest
+from conftest import cluster_processes
 
 from pcourse.cluster import ClusterError, launch, start_cluster, stop_cluster
 from pcourse.cluster import engines as cl
 from pcourse.cluster.rankinfo import gpu_for
 
+LOOPBACK = {"127.0.0.1", "::1"}
+
 
 def _alive(pids: list[int]) -> list[int]:
     return [p for p in pids if psutil.pid_exists(p)
             and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def _listening(pids: list[int]) -> set[tuple[str, str]]:
+    """(command, address) of every TCP listener of these processes."""
+    found = set()
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            for conn in proc.net_connections("tcp"):
+                if conn.status == psutil.CONN_LISTEN:
+                    found.add((proc.name(), conn.laddr.ip))
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
 
 @pytest.mark.slow
@@ -35,22 +54,24 @@ def test_start_run_restart_stop():
         )
         assert mc.view.pull("answer") == [(0, 0, 2, 0, devices[0]), (1, 1, 2, 1, devices[1])]
         assert mc.view.pull("total") == [3, 3]
+        # Nothing of the cluster (controller, mpiexec, engines) is reachable from
+        # another machine: every listener is on loopback.
+        listening = _listening(list(cluster_processes()))
+        assert listening and {ip for _, ip in listening} <= LOOPBACK, listening
         old_pids = mc.view.apply_sync(os.getpid)
-        # the controller is reachable from this machine only
-        controller = psutil.Process(mc.cluster.controller.process.pid)
-        listening = {c.laddr.ip for p in [controller, *controller.children(recursive=True)]
-                     for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
-        assert listening == {"127.0.0.1"}, listening
+        old_folder = mc.folder
 
         mc2 = start_cluster(3)  # a re-run start cell replaces the old cluster
-        assert cl.current_cluster() is mc2
+        assert cl._current is mc2
         assert _alive(old_pids) == []
+        assert not old_folder.exists()  # its connection files and logs went with it
         assert mc2.view.pull("size") == [3, 3, 3]
         new_pids = mc2.view.apply_sync(os.getpid)
     finally:
         stop_cluster()
-    assert cl.current_cluster() is None
+    assert cl._current is None
     assert _alive(new_pids) == []
+    assert not mc2.folder.exists()
     stop_cluster()  # stopping twice is harmless
 
 
@@ -73,11 +94,66 @@ def test_engines_that_die_during_start_report_their_log():
     with pytest.raises(ClusterError, match="exited during start") as info:
         start_cluster(2, env={"PYTHONHOME": "/nonexistent"}, timeout=60)
     assert "encodings" in str(info.value) or "PYTHONHOME" in str(info.value)
-    assert cl.current_cluster() is None
+    assert cl._current is None
 
 
 @pytest.mark.mpi
 def test_start_timeout_is_an_error_not_a_hang():
     with pytest.raises(ClusterError, match="registered within"):
         start_cluster(2, timeout=0.2)
-    assert cl.current_cluster() is None
+    assert cl._current is None
+
+
+def test_several_nodes_are_an_explicit_choice(tmp_path):
+    """Loopback by default; a hostfile makes the controller and MPI reachable from other nodes."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    here, there = launch.mpi_launcher(), launch.mpi_launcher(hosts)
+    assert there.command == [launch.find_mpiexec(), "-f", str(hosts)] and there.env == {}
+    assert "-f" not in here.command
+    local = cl._make_cluster(2, tmp_path, here, {}, None)
+    multi = cl._make_cluster(2, tmp_path, there, {}, hosts)
+    assert local.controller_ip == "127.0.0.1" and multi.controller_ip == "*"
+    assert multi.config.MPILauncher.mpi_cmd == there.command
+
+
+def test_start_progress_leaves_nothing_in_a_notebook_cell(monkeypatch):
+    """Learners see engines registering; the saved cell, which nbval compares, keeps nothing."""
+    shown = []
+
+    class Handle:
+        def update(self, bundle, raw):
+            shown.append(bundle)
+
+    def display(bundle, raw, display_id):
+        shown.append(bundle)
+        return Handle()
+
+    monkeypatch.setattr(cl, "_in_notebook", lambda: True)
+    monkeypatch.setattr("IPython.display.display", display)
+    progress = cl._Progress(2)
+    for done in (0, 1, 2):
+        progress.update(done)
+    progress.close()
+    # nbval keeps the first version (it ignores updates), nbclient the last: both empty,
+    # so neither the saved cell nor nbval's comparison holds an output field.
+    assert shown[0] == {} and shown[-1] == {}
+    assert [b["text/plain"].split("|")[-1].split()[0] for b in shown[1:-1]] == \
+        ["0/2", "1/2", "2/2"]
+
+
+def test_start_progress_in_a_terminal_clears_itself(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    progress = cl._Progress(2)
+    for done in (0, 1, 2):
+        progress.update(done)
+    progress.close()
+    line = ""
+    for part in err.getvalue().split("\r"):  # what the terminal shows: \r overwrites
+        line = part + line[len(part):]
+    assert "2/2" in err.getvalue() and line.strip() == ""

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import ast
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pcourse.cluster.launch import MPIJobError, mpirun, mpirun_rows
@@ -69,3 +75,108 @@ def test_outside_mpirun_rows_the_caller_reports_itself(monkeypatch: pytest.Monke
     monkeypatch.chdir(tmp_path)
     assert report_rows([{"a": 1}]) is False
     assert not list(tmp_path.iterdir())  # nothing written anywhere
+
+
+LISTENERS = """
+import os, psutil
+from mpi4py import MPI
+# This rank, and the processes above it up to the launcher (mpiexec, hydra's proxy).
+mine, proc = set(), psutil.Process()
+while proc is not None and proc.pid != int(os.environ["LAUNCHER_PID"]):
+    for conn in proc.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN:
+            mine.add((proc.name(), conn.laddr.ip))
+    proc = proc.parent()
+everyone = MPI.COMM_WORLD.gather(sorted(mine), root=0)
+if MPI.COMM_WORLD.rank == 0:
+    print("LISTENING", sorted({x for rank in everyone for x in rank}))
+"""
+
+
+def _listeners(tmp_path: Path, **kwargs) -> set[str]:
+    done = mpirun(2, [_script(tmp_path, LISTENERS)], timeout=120,
+                  env={"LAUNCHER_PID": str(os.getpid())}, **kwargs)
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("LISTENING"))
+    return {ip for _, ip in ast.literal_eval(line.split(" ", 1)[1])}
+
+
+@pytest.mark.mpi
+def test_a_job_on_this_machine_listens_on_loopback_only(tmp_path: Path) -> None:
+    # MPI's own connections (the ranks' netmod, mpiexec's port for its proxies)
+    # would otherwise be open to the whole network the laptop is on.
+    assert _listeners(tmp_path) <= {"127.0.0.1", "::1"}
+
+
+@pytest.mark.mpi
+def test_several_nodes_are_opted_in_with_a_hostfile(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    assert _listeners(tmp_path, hostfile=hosts) - {"127.0.0.1", "::1"}  # reachable from others
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_launcher_takes_its_job_with_it(tmp_path: Path, sig: int) -> None:
+    """A closed terminal or a job scheduler stops the launcher: its ranks must not run on."""
+    pids = tmp_path / "pids"
+    job = _script(tmp_path, f"import os\nopen({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+                            "time.sleep(600)")
+    ranks = None
+    launcher = subprocess.Popen([sys.executable, "-c", "from pcourse.cluster.launch import mpirun; "
+                                 f"mpirun(2, [{job!r}], timeout=600)"])
+    try:
+        ranks = _wait_for(lambda: [int(p) for p in pids.read_text().split()]
+                          if pids.exists() and len(pids.read_text().split()) == 2 else None)
+        assert ranks, "the job never started"
+        launcher.send_signal(sig)
+        assert launcher.wait(timeout=30) != 0
+        assert _wait_for(lambda: not any(_running(p) for p in ranks) or None), "ranks outlived it"
+    finally:
+        launcher.kill()
+        launcher.wait()
+        for pid in ranks or []:  # leave nothing behind even when failing
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.mpi
+def test_a_rank_killed_by_a_signal_is_a_failure(tmp_path: Path) -> None:
+    body = ("import os, signal\nfrom mpi4py import MPI\n"
+            "if MPI.COMM_WORLD.rank == 1: os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(30)")
+    with pytest.raises(MPIJobError, match="exited with code"):
+        mpirun(2, [_script(tmp_path, body)], timeout=60)
+
+
+@pytest.mark.mpi
+def test_rows_reported_before_a_late_failure_are_not_lost(tmp_path: Path) -> None:
+    body = REPORTS + "\ncomm.Barrier()\nif comm.rank == 1: raise SystemExit(3)\n"
+    with pytest.raises(MPIJobError, match="exited with code 3") as info:
+        mpirun_rows(2, [_script(tmp_path, body)], timeout=60)
+    assert info.value.rows == [{"rank": r, "size": 2} for r in range(2)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_for(probe, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.1)
+    return None
+
+
+@pytest.mark.mpi
+def test_every_character_the_ranks_print_comes_back(tmp_path: Path) -> None:
+    # Lessons and benchmarks print ×, α, β; a launcher that chokes on them loses output.
+    body = ("from mpi4py import MPI\nprint(f'rank {MPI.COMM_WORLD.rank}: α×β', flush=True)\n"
+            "sys.stderr.write('stderr: ü\\n')\nprint('after', flush=True)")
+    out = mpirun(2, [_script(tmp_path, body)], timeout=60).stdout
+    assert "rank 0: α×β" in out and "rank 1: α×β" in out
+    assert out.count("stderr: ü") == 2 and out.count("after") == 2

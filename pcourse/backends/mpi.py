@@ -10,9 +10,10 @@ the fast one on CPU.
 
 Both take tensors on any device: what MPI cannot read in place is staged through
 host memory. MPI has no timeouts of its own: a rank that never joins a collective
-blocks the others forever, so the deadline comes from the launch
-(``pcourse.cluster.launch.mpirun``, the engine cluster); ``timeout`` is accepted so
-that every backend takes the same keywords.
+blocks the others forever. The buffer backend's allreduce waits through
+``pcourse.cluster.interrupts.wait_request``: an interrupt stops it, and ``timeout``
+seconds without the other ranks raise CollectiveTimeout. Elsewhere the deadline
+comes from the launch (``pcourse.cluster.launch.mpirun``, the engine cluster).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from pcourse.backends.base import AsyncBackend, Backend, Work, private_comm
+from pcourse.cluster.interrupts import wait_request
 
 
 def _default_device() -> torch.device:
@@ -90,7 +92,7 @@ class MPIBackend(_MPICommBackend, AsyncBackend):
             if staged:
                 tensor.detach().copy_(host)
 
-        return _RequestWork(request, finish, keep=(tensor, host))
+        return _RequestWork(request, finish, keep=(tensor, host), timeout=self.timeout)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0, *,
                   check: bool = True) -> torch.Tensor:
@@ -133,14 +135,15 @@ def _mpi_has_float16() -> bool:
 class _RequestWork(Work):
     """A pending ``Iallreduce``: wait for it, then copy back what was staged."""
 
-    def __init__(self, request: Any, finish: Callable[[], None], keep: tuple) -> None:
-        self._request, self._finish = request, finish
+    def __init__(self, request: Any, finish: Callable[[], None], keep: tuple,
+                 timeout: float | None = None) -> None:
+        self._request, self._finish, self._timeout = request, finish, timeout
         self._keep = keep  # the buffers MPI writes into must outlive the request
 
     def wait(self) -> None:
         if self._request is None:
             return
-        self._request.Wait()
+        wait_request(self._request, self._timeout, "allreduce")  # interruptible, with a deadline
         self._request = None
         self._finish()
         self._keep = ()

@@ -2,8 +2,9 @@
 
 ``engines`` starts an MPI cluster of ipyparallel engines from a notebook;
 ``launch`` runs a command under ``mpiexec`` with a deadline; ``rankinfo`` tells a
-process its rank and pins its device; ``netns`` stands up two "nodes" on one
-machine (lesson 09).
+process its rank and pins its device; ``interrupts`` makes MPI waits interruptible
+and bounded; ``reaper`` ends a cluster whose owner died; ``netns`` stands up two
+"nodes" on one machine (lesson 09).
 
 ``from pcourse.cluster import start_cluster, stop_cluster`` is what notebooks use.
 Those names load ipyparallel only when first asked for, so a rank that needs only

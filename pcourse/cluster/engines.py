@@ -5,12 +5,19 @@ One call gives the notebook ``n`` engines that are also the ranks of one MPI job
 to each other through MPI, Gloo or NCCL. What this module adds to ipyparallel is
 what a course needs and ipyparallel leaves to the user:
 
-- quiet, deterministic output (no progress bar, no timings, no log dumps), so
-  nbval can compare the cells that start and stop a cluster;
+- deterministic output: progress while the engines start that leaves nothing in
+  the cell afterwards, no timings, no log dumps, so nbval can compare the cells
+  that start and stop a cluster;
 - a clear error with the engines' own log tail when they fail to start, instead
   of a hang;
-- one cluster per kernel: running the start cell again replaces the old cluster,
-  and the cluster stops when the kernel exits;
+- one cluster per kernel: running the start cell again replaces the old cluster;
+- nothing left behind, however the kernel or script ends: every process of the
+  cluster carries a mark, its files live in a folder of its own, and a watcher
+  process (:mod:`pcourse.cluster.reaper`) ends both if the owner dies;
+- interrupts that land: the stop button (or Ctrl-C) stops every rank; a rank that
+  cannot stop ends the MPI job (:mod:`pcourse.cluster.interrupts`), and the next
+  cell says in one line to restart, which takes a normal start;
+- listeners on loopback only, unless a hostfile asks for several nodes;
 - engines that know their rank, world size, local rank and device.
 """
 
@@ -19,22 +26,35 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
-import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import ipyparallel as ipp
+from IPython.paths import get_ipython_dir
 
-from pcourse.cluster.launch import MPINotFound, find_mpiexec, max_engines
+from pcourse.cluster.interrupts import INTERRUPT_GRACE
+from pcourse.cluster.launch import Launcher, MPINotFound, find_mpiexec, max_engines, mpi_launcher
 from pcourse.cluster.rankinfo import RankInfo, gpu_count
+from pcourse.cluster.reaper import MARK, end_cluster, kill_marked
 
-START_TIMEOUT = 90.0  # seconds for all engines to register; a cold start takes ~6 s
-STOP_TIMEOUT = 30.0
+START_TIMEOUT = 90.0  # seconds for all engines to register and initialise
+_FOLDER = re.compile(r"^pcourse-cluster-(\d+)-")  # pcourse-cluster-<owner pid>-<random>
+# What older versions left in IPython's default profile: cluster-pcourse-<pid>-<id>.json ...
+_LEGACY = re.compile(r"^(?:cluster|ipcontroller|engines|ipengine)-?pcourse-(\d+)-[0-9a-f]{8}")
 
-# Run on every engine once it is up: puts rank, size, local_rank and device in the
-# engine namespace, so %%px cells can use them directly.
+# Run on every engine once it is up: makes interrupts final, and puts rank, size,
+# local_rank and device in the engine namespace, so %%px cells can use them directly.
 _ENGINE_INIT = """
+from pcourse.cluster.interrupts import watch_interrupts as _pcourse_watch
+_pcourse_watch()
 from pcourse.cluster.rankinfo import init_rank as _pcourse_init_rank
 _pcourse_me = _pcourse_init_rank()
 rank, size, local_rank, device = (
@@ -54,6 +74,9 @@ class MPICluster:
     client: ipp.Client
     view: ipp.DirectView  # all engines, in rank order (engine id == MPI rank)
     engines: list[RankInfo]  # one entry per rank, in rank order
+    folder: Path  # its profile: connection files and logs, deleted when it stops
+    reaper: subprocess.Popen | None = field(default=None, repr=False)
+    _told: bool = field(default=False, repr=False)
 
     @property
     def n(self) -> int:
@@ -66,14 +89,70 @@ class MPICluster:
             lines.append(f"{e.rank:>4}  {e.local_rank:>5}  {e.host:<24} {e.device}")
         return "\n".join(lines)
 
+    def problem(self) -> str:
+        """One line on why this cluster cannot run code any more; empty while it can."""
+        controller = self.cluster.controller
+        if controller is None or _exited(controller):
+            what = "controller"
+        elif any(_exited(x) for x in self.cluster.engines.values()):
+            what = "engines"
+        else:
+            return ""
+        log = "".join(_log_text(x) for x in self.cluster.engines.values())
+        stuck = re.search(r"rank \d+ did not stop within [\d.]+ s of the interrupt", log)
+        why = f" ({stuck.group(0)})" if stuck else ""
+        return (f"The cluster's {what} stopped{why}. Restart it: run "
+                f"start_cluster({self.n}) again.")
+
     def stop(self) -> None:
         stop_cluster(self)
 
-    def __enter__(self) -> MPICluster:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+class _InterruptibleView(ipp.DirectView):
+    """A DirectView whose blocking calls pass an interrupt on to the engines.
+
+    ipyparallel's own blocking calls swallow KeyboardInterrupt and leave the engines
+    running; the cell then returns an AsyncResult and the next cell queues behind the
+    old work. Here the engines get SIGINT too (as ``%%px`` does), get time to stop,
+    and the interrupt is raised in the notebook. A cluster that has died says so,
+    in one line, instead of ipyparallel's errors about missing engines.
+    """
+
+    problem: Callable[[], str] = staticmethod(lambda: "")  # MPICluster.problem, once it exists
+
+    def _really_apply(self, f: Any, args: Any = None, kwargs: Any = None,  # type: ignore[override]
+                      targets: Any = None, block: bool | None = None, **options: Any) -> Any:
+        self._refuse_if_dead()
+        block = self.block if block is None else block
+        ar = super()._really_apply(f, args, kwargs, targets=targets, block=False, **options)
+        return _finish(ar, self.client) if block else ar
+
+    def execute(self, code: str, silent: bool = True, targets: Any = None,  # type: ignore[override]
+                block: bool | None = None, label: str | None = None) -> Any:
+        self._refuse_if_dead()
+        block = self.block if block is None else block
+        ar = super().execute(code, silent=silent, targets=targets, block=False, label=label)
+        if block:
+            _finish(ar, self.client)
+            ar.wait_for_output()
+        return ar
+
+    def _refuse_if_dead(self) -> None:
+        problem = self.problem()
+        if problem:
+            raise ClusterError(problem)
+
+
+def _finish(ar: Any, client: ipp.Client) -> Any:
+    try:
+        return ar.get()
+    except KeyboardInterrupt:
+        try:
+            client.send_signal("SIGINT", targets=ar._targets, block=False)
+            ar.wait(INTERRUPT_GRACE + 2)  # they stop, or the rank that cannot ends the job
+        except Exception:  # noqa: BLE001 - the interrupt is what the user must see
+            pass
+        raise
 
 
 _current: MPICluster | None = None
@@ -110,12 +189,16 @@ def _exited(launcher: object) -> bool:
         return True
 
 
-def _log_tail(launcher: object, lines: int = 20) -> str:
+def _log_text(launcher: object) -> str:
+    """A launcher's output so far (read afresh: ipyparallel caches its first read)."""
     try:
-        text = launcher.get_output() or ""  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - best effort: the error message matters more
-        text = ""
-    tail = text.strip().splitlines()[-lines:]
+        return Path(launcher.output_file).read_text(errors="replace")  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        return ""
+
+
+def _log_tail(launcher: object, lines: int = 20) -> str:
+    tail = _log_text(launcher).strip().splitlines()[-lines:]
     return "\n".join(tail) if tail else "(no output)"
 
 
@@ -124,76 +207,108 @@ def start_cluster(
     *,
     timeout: float = START_TIMEOUT,
     env: dict[str, str] | None = None,
+    hostfile: str | os.PathLike[str] | None = None,
 ) -> MPICluster:
     """Start ``n`` MPI engines on this machine and return them, ready to use.
 
     Replaces a cluster this kernel started before. ``env`` adds environment
-    variables for the engines (for example ``GLOO_SOCKET_IFNAME``).
+    variables for the engines (for example ``GLOO_SOCKET_IFNAME``). Everything
+    listens on loopback only; a ``hostfile`` (MPICH's ``host:slots`` lines) opts in
+    to engines on several nodes, with the controller listening on every interface.
     """
     n = default_engines() if n is None else _check_n(n)
     if timeout <= 0:
         raise ClusterError(f"timeout must be positive, got {timeout}.")
     stop_cluster()
+    sweep_stale_clusters()
     try:
-        mpiexec = find_mpiexec()
+        launcher = mpi_launcher(hostfile)
     except MPINotFound as exc:
         raise ClusterError(str(exc)) from None
 
-    path_env = {"PATH": f"{Path(mpiexec).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    engine_env = {**path_env, **(env or {})}
+    folder = Path(tempfile.mkdtemp(prefix=f"pcourse-cluster-{os.getpid()}-"))
+    reaper = _start_reaper(folder)
+    cluster = _make_cluster(n, folder, launcher, env or {}, hostfile)
+    progress = _Progress(n)
+    client = None
+    try:
+        try:
+            cluster.start_controller_sync()
+            cluster.start_engines_sync(n)
+            client = cluster.connect_client_sync()
+        except Exception as exc:
+            raise ClusterError(f"could not launch the cluster: {exc}") from exc
+        _wait_for_engines(cluster, client, n, timeout, progress)
+        engines, view = _initialise(client, timeout)
+    except BaseException:
+        progress.close()
+        _teardown(cluster, client, folder, reaper)
+        raise
+    progress.close()
+    _watch_cells()
+
+    global _current
+    _current = MPICluster(cluster, client, view, engines, folder, reaper)
+    view.problem = _current.problem
+    return _current
+
+
+def _make_cluster(n: int, folder: Path, launcher: Launcher, env: dict[str, str],
+                  hostfile: str | os.PathLike[str] | None) -> ipp.Cluster:
+    """The ipyparallel cluster, configured but not started: where it listens, what it runs."""
+    mpi_bin = Path(find_mpiexec()).parent
+    path_env = {"PATH": f"{mpi_bin}{os.pathsep}{os.environ.get('PATH', '')}", MARK: str(folder)}
     cluster = ipp.Cluster(
         engines="mpi",
         n=n,
-        cluster_id=f"pcourse-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-        controller_ip="127.0.0.1",
+        profile_dir=str(folder),
+        cluster_id="pcourse",
+        controller_ip="127.0.0.1" if hostfile is None else "*",
         log_level=logging.WARNING,
-        shutdown_atexit=True,
+        shutdown_atexit=False,  # ours (stop_cluster) is bounded and leaves nothing behind
     )
-    cluster.config.MPILauncher.mpi_cmd = [mpiexec]
-    cluster.config.MPIEngineSetLauncher.environment = engine_env
+    cluster.config.MPILauncher.mpi_cmd = launcher.command
+    cluster.config.MPIEngineSetLauncher.engine_cmd = [*launcher.wrap, sys.executable, "-m",
+                                                      "ipyparallel.engine"]
+    cluster.config.MPIEngineSetLauncher.environment = {**path_env, **launcher.env, **env}
     cluster.config.LocalControllerLauncher.environment = path_env
+    return cluster
 
-    try:
-        cluster.start_controller_sync()
-        cluster.start_engines_sync(n)
-        client = cluster.connect_client_sync()
-    except Exception as exc:
-        _force_stop(cluster)
-        raise ClusterError(f"could not launch the cluster: {exc}") from exc
 
+def _start_reaper(folder: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pcourse.cluster.reaper", str(os.getpid()), str(folder)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)  # out of reach of the terminal's Ctrl-C and hang-up
+
+
+def _initialise(client: ipp.Client, timeout: float) -> tuple[list[RankInfo], ipp.DirectView]:
+    """Engines in rank order, and a view of all of them, ready for the notebook."""
+    view = _InterruptibleView(client=client, socket=client._mux_stream, targets=sorted(client.ids))
+    # cloudpickle ships a notebook-defined function together with the globals it
+    # uses (helpers, constants, imports), so learners need no push/import dance.
+    # init_rank runs an MPI collective: a rank that never joins must not hang us.
+    view.block = False
     try:
-        _wait_for_engines(cluster, client, n, timeout)
-        view = client[:]
-        # cloudpickle ships a notebook-defined function together with the globals it
-        # uses (helpers, constants, imports), so learners need no push/import dance.
-        # init_rank runs an MPI collective: a rank that never joins must not hang us.
-        view.block = False
         for step in (view.use_cloudpickle, lambda: view.execute(_ENGINE_INIT)):
             step().get(timeout=timeout)
         engines = sorted(view.pull("_pcourse_me").get(timeout=timeout), key=lambda e: e.rank)
-        view.block = True
     except ipp.error.TimeoutError as exc:
-        client.close()
-        _force_stop(cluster)
         raise ClusterError(
             f"the engines registered but did not finish initialising within {timeout:.0f} s "
             "(MPI between them may be broken: try `mpiexec -n 2 python -m mpi4py.bench "
             "helloworld`)."
         ) from exc
-    except BaseException:
-        client.close()
-        _force_stop(cluster)
-        raise
-
-    global _current
-    _current = MPICluster(cluster=cluster, client=client, view=view, engines=engines)
-    return _current
+    view.block = True
+    return engines, view
 
 
-def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout: float) -> None:
+def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout: float,
+                      progress: _Progress) -> None:
     """Wait until n engines register; fail fast, with their log, if they die."""
     deadline = time.monotonic() + timeout
     while len(client.ids) < n:
+        progress.update(len(client.ids))
         for launcher in list(cluster.engines.values()):
             if _exited(launcher):
                 raise ClusterError(
@@ -213,23 +328,93 @@ def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout:
                 "fewer engines or a longer timeout."
             )
         time.sleep(0.1)
+    progress.update(n)
 
 
-def _force_stop(cluster: ipp.Cluster) -> None:
-    try:
-        cluster.stop_cluster_sync()
-    except Exception:  # noqa: BLE001 - already failing; stopping is best effort
-        pass
+class _Progress:
+    """Engines registered so far, shown while they start and gone once they have.
+
+    In a notebook, a display that starts empty, is updated in place as engines
+    register, and is emptied at the end. nbval records only the first, empty,
+    version (it ignores updates) and nbclient only the last, so the saved cell and
+    nbval's comparison keep nothing of it. In a terminal, a tqdm bar on stderr that
+    clears itself. Elsewhere (pipes, logs, tests) nothing.
+    """
+
+    def __init__(self, total: int) -> None:
+        self.total, self.start, self.shown = total, time.monotonic(), -1
+        self.handle: Any = None
+        self.bar: Any = None
+        if _in_notebook():
+            from IPython.display import display
+
+            self.handle = display({}, raw=True, display_id=True)
+        elif sys.stderr is not None and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="engines", unit="engine", leave=False)
+        self.update(0)
+
+    def update(self, done: int) -> None:
+        if done == self.shown:
+            return
+        self.shown = done
+        if self.bar is not None:
+            self.bar.n = done
+            self.bar.refresh()  # engines register seconds apart: draw each one
+        elif self.handle is not None:
+            self.handle.update(self._bundle(done), raw=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.handle is not None:
+            self.handle.update({}, raw=True)  # an empty bundle: nothing shown, nothing compared
+        self.bar = self.handle = None
+
+    def _bundle(self, done: int) -> dict[str, str]:
+        from tqdm import tqdm
+
+        elapsed = time.monotonic() - self.start
+        meter = tqdm.format_meter(done, self.total, elapsed, prefix="engines", unit="engine")
+        return {"text/plain": meter}
+
+
+def _in_notebook() -> bool:
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return getattr(shell, "kernel", None) is not None
+
+
+def _watch_cells() -> None:
+    """In IPython, say before each cell if the cluster has died (once per cluster)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None:
+        return
+    if _tell_if_dead not in shell.events.callbacks["pre_run_cell"]:
+        shell.events.register("pre_run_cell", _tell_if_dead)
+
+
+def _tell_if_dead(*_: object) -> None:
+    mc = _current
+    if mc is None or mc._told:
+        return
+    problem = mc.problem()
+    if problem:
+        mc._told = True
+        print(problem, file=sys.stderr)
 
 
 def stop_cluster(mc: MPICluster | None = None) -> None:
-    """Stop a cluster (by default the current one) and reap all its processes.
+    """Stop a cluster (by default the current one), reap all its processes, delete its files.
 
-    Engines are asked to shut down first, so they leave through their own exit
-    path rather than SIGTERM. mpiexec still reports exit code 1 for engines that
-    stop (seen with ipyparallel 9.2 and MPICH 5), and ipyparallel then dumps every
+    Its processes get SIGTERM, and SIGKILL a moment later if they are still there
+    (an engine blocked in MPI, or finishing MPI's shutdown with a rank that is
+    gone), so stopping takes about that moment whatever state the cluster is in.
+    mpiexec then reports the engines' exit codes, and ipyparallel dumps every
     engine's log at WARNING level: noise for a stop we asked for, and output that
-    nbval would compare. So the cluster's log is raised to ERROR while stopping.
+    nbval would compare. So the cluster's log is raised to ERROR first.
     """
     global _current
     mc = mc or _current
@@ -237,21 +422,58 @@ def stop_cluster(mc: MPICluster | None = None) -> None:
         return
     if mc is _current:
         _current = None
-    mc.cluster.log.setLevel(logging.ERROR)
+    _teardown(mc.cluster, mc.client, mc.folder, mc.reaper)
+
+
+def _teardown(cluster: ipp.Cluster, client: ipp.Client | None, folder: Path,
+              reaper: subprocess.Popen | None) -> None:
+    cluster.log.setLevel(logging.ERROR)
+    if client is not None:
+        client.close()
+    kill_marked(str(folder))
     try:
-        mc.client.shutdown(targets="all", hub=False, block=True)
-    except Exception:  # noqa: BLE001 - dead engines cannot answer; the kill below reaps them
+        cluster.stop_cluster_sync()  # ipyparallel's bookkeeping: its processes are gone
+    except Exception:  # noqa: BLE001 - already stopped; nothing left to do
         pass
-    deadline = time.monotonic() + STOP_TIMEOUT
-    while time.monotonic() < deadline and not all(_exited(x) for x in mc.cluster.engines.values()):
-        time.sleep(0.05)
-    mc.client.close()
-    _force_stop(mc.cluster)
+    shutil.rmtree(folder, ignore_errors=True)
+    if reaper is not None:  # it would leave by itself once the folder is gone
+        reaper.kill()
+        reaper.wait()
 
 
-def current_cluster() -> MPICluster | None:
-    """The cluster this kernel started last, if it is still running."""
-    return _current
+def sweep_stale_clusters() -> list[str]:
+    """Remove clusters whose owner has died, and their files; return what was removed.
+
+    Their reaper does this at once; this catches what it could not (a machine that
+    went down, a reaper that was killed too), and files older versions left in
+    IPython's default profile. Only clusters of owners that are gone are touched.
+    """
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob("pcourse-cluster-*"):
+        owner = _FOLDER.match(folder.name)
+        if owner and folder.is_dir() and not _alive(int(owner.group(1))):
+            end_cluster(str(folder))
+            removed.append(str(folder))
+    profile = Path(get_ipython_dir()) / "profile_default"
+    for sub in ("security", "log"):
+        for file in (profile / sub).glob("*pcourse-*"):
+            owner = _LEGACY.match(file.name)
+            if owner and not _alive(int(owner.group(1))):
+                file.unlink(missing_ok=True)
+                removed.append(str(file))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # ours, from before: this process has no cluster running now
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 atexit.register(stop_cluster)

@@ -2,7 +2,12 @@
 
 Tests and benchmarks launch their own MPI jobs; a collective that never completes
 must end in a clear timeout, not a CI job that hangs. The job runs in its own
-process group so that the deadline kills mpiexec *and* every rank it started.
+process group so that the deadline kills mpiexec *and* every rank it started, and
+a launcher that is itself told to stop (SIGTERM from a closed terminal or a job
+scheduler, SIGHUP, Ctrl-C) takes its job down with it.
+
+A job on this machine listens on the loopback interface only: the course runs on
+laptops on shared networks. Several nodes are an explicit choice (a hostfile).
 
 Benchmarks relaunch themselves this way and need their results back: the job's
 rank 0 calls :func:`report_rows`, the launcher gets them from :func:`mpirun_rows`.
@@ -13,19 +18,28 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pcourse.utils.io import atomic_write
 
 ROWS_ENV = "PCOURSE_ROWS_FILE"  # where report_rows writes; set by mpirun_rows
+# Signals that end a launcher from outside; each ends its MPI job first.
+TERMINATING = tuple(getattr(signal, s) for s in ("SIGTERM", "SIGHUP") if hasattr(signal, s))
+# MPICH's single-machine process manager reports ranks killed by a signal only in
+# its output ("[0]1:Return code = 0, signaled with Killed"), not in its exit code.
+_SIGNALED = re.compile(r"^\[\d+\]\d+:Return code = \d+, signaled with (\w+)", re.MULTILINE)
 
 
 class MPINotFound(RuntimeError):
@@ -33,7 +47,7 @@ class MPINotFound(RuntimeError):
 
 
 def find_mpiexec() -> str:
-    """The mpiexec to launch engines with: the venv's own (pip's mpich) first."""
+    """The mpiexec to launch with: the venv's own (pip's mpich) first."""
     beside_python = Path(sys.executable).parent / "mpiexec"
     if beside_python.exists():
         return str(beside_python)
@@ -45,6 +59,52 @@ def find_mpiexec() -> str:
         "`pip install mpich` (the course's `make lab` does this in .venv), or load your "
         "system's MPI module so that `mpiexec` is on PATH."
     )
+
+
+def loopback_env() -> dict[str, str]:
+    """Environment that keeps MPI's own network traffic on the loopback interface.
+
+    MPICH's UCX netmod (the pip wheel's default) and Open MPI otherwise open TCP
+    listeners on every interface, the machine's external address included.
+    """
+    lo = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
+    return {"UCX_NET_DEVICES": lo, "OMPI_MCA_btl_tcp_if_include": lo,
+            "OMPI_MCA_oob_tcp_if_include": lo}
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """How to start ranks: ``[*command, "-n", N, *wrap, program...]``, with ``env`` added."""
+
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    wrap: list[str] = field(default_factory=list)  # goes before each rank's program
+
+
+# MPICH's gforker stops forwarding a rank's output at its first non-ASCII byte, and
+# closes the pipe (the rank's next write fails). So its ranks write around it: the
+# launcher's stdout is kept as fd 3, every rank inherits it and writes there.
+_KEEP_STDOUT = ["sh", "-c", 'exec 3>&1; exec "$@"', "sh"]
+_WRITE_TO_KEPT = ["sh", "-c", 'exec "$@" 1>&3 2>&3 3>&-', "sh"]
+
+
+def mpi_launcher(hostfile: str | os.PathLike[str] | None = None) -> Launcher:
+    """How to start ranks: on this machine, or (``hostfile``) on the nodes it lists.
+
+    Without ``hostfile`` every rank runs here and nothing listens beyond loopback.
+    MPICH's usual launcher (hydra) always listens on all interfaces, for its proxies
+    on other nodes, so where MPICH's single-machine launcher (gforker) is installed
+    beside it, that starts the ranks instead: it forks them and listens nowhere.
+    A ``hostfile`` opts in to several nodes: hydra, ``-f hostfile``, every interface.
+    """
+    mpiexec = find_mpiexec()
+    if hostfile is not None:
+        return Launcher([mpiexec, "-f", str(hostfile)])
+    env = {k: v for k, v in loopback_env().items() if k not in os.environ}  # the user's choice wins
+    gforker = Path(mpiexec).with_name("mpiexec.gforker")
+    if gforker.exists() and shutil.which("sh"):
+        return Launcher([*_KEEP_STDOUT, str(gforker)], env, list(_WRITE_TO_KEPT))
+    return Launcher([mpiexec], env)
 
 
 def max_engines() -> int:
@@ -75,55 +135,67 @@ def mpirun(
     check: bool = True,
     cwd: str | os.PathLike[str] | None = None,
     echo: Callable[[str], object] | None = None,
+    hostfile: str | os.PathLike[str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python *args`` on n MPI ranks; return its completed process (text output).
 
     ``args`` follow the Python interpreter: ``["-m", "pcourse.bench.comm", ...]`` or
     ``["path/to/script.py", ...]``. ``echo`` gets each line of output as it comes
     (a long benchmark shows its progress), and the output is still returned.
+    ``hostfile`` spreads the ranks over the nodes it lists (see :func:`mpi_launcher`);
+    without it they run here, on loopback.
     """
-    if n < 1:
-        raise ValueError(f"n must be at least 1 rank, got {n}")
-    mpiexec = find_mpiexec()
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be at least 1 rank, got {n!r}")
+    launcher = mpi_launcher(hostfile)
     full_env = dict(os.environ)
-    full_env["PATH"] = f"{Path(mpiexec).parent}{os.pathsep}{full_env.get('PATH', '')}"
+    mpi_bin = Path(find_mpiexec()).parent
+    full_env["PATH"] = f"{mpi_bin}{os.pathsep}{full_env.get('PATH', '')}"
+    full_env.update(launcher.env)
     full_env.update(env or {})
-    cmd = [mpiexec, "-n", str(n), sys.executable, *args]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=full_env,
-        cwd=cwd,
-        start_new_session=True,  # own process group: the deadline reaps every rank
-    )
-    try:
-        out = _collect(proc, timeout, echo)
-    except subprocess.TimeoutExpired as expired:
-        kill_group(proc)
-        out = expired.output or ""
-        raise MPIJobError(
-            f"`{' '.join(cmd)}` did not finish within {timeout:.0f} s and was killed. "
-            f"Output tail:\n{_tail(out)}"
-        ) from None
-    finally:
-        kill_group(proc)
-    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
-    if check and proc.returncode != 0:
-        raise MPIJobError(
-            f"`{' '.join(cmd)}` exited with code {proc.returncode}. Output tail:\n{_tail(out)}"
+    cmd = [*launcher.command, "-n", str(n), *launcher.wrap, sys.executable, *args]
+    with ends_with_launcher():
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",  # a rank cut off mid-character must not cost the rest
+            env=full_env,
+            cwd=cwd,
+            start_new_session=True,  # own process group: the deadline reaps every rank
         )
+        try:
+            out = _collect(proc, timeout, echo)
+        except subprocess.TimeoutExpired as expired:
+            out = expired.output or ""
+            raise MPIJobError(
+                f"`{' '.join(cmd)}` did not finish within {timeout:.0f} s and was killed. "
+                f"Output tail:\n{_tail(out)}"
+            ) from None
+        finally:
+            kill_group(proc, grace=2.0)
+    code = proc.returncode
+    killed = _SIGNALED.findall(out or "")
+    if code == 0 and killed:
+        code = 128 + getattr(signal, f"SIG{killed[0].upper()}", signal.SIGKILL)
+    result = subprocess.CompletedProcess(cmd, code, out, "")
+    if check and code != 0:
+        raise MPIJobError(f"`{' '.join(cmd)}` exited with code {code}. Output tail:\n{_tail(out)}")
     return result
 
 
 def _collect(proc: subprocess.Popen, timeout: float, echo: Callable[[str], object] | None) -> str:
-    """The job's whole output; with ``echo``, each line also as it arrives."""
+    """The job's whole output; with ``echo``, each line also as it arrives.
+
+    On the deadline the job gets SIGINT first, so that the launcher passes on what
+    the ranks printed before it goes, and TimeoutExpired carries that output.
+    """
     if echo is None:
         try:
             return proc.communicate(timeout=timeout)[0]
         except subprocess.TimeoutExpired:
-            kill_group(proc)
+            kill_group(proc, grace=2.0)
             raise subprocess.TimeoutExpired(proc.args, timeout, proc.communicate()[0]) from None
     lines: list[str] = []
 
@@ -137,7 +209,7 @@ def _collect(proc: subprocess.Popen, timeout: float, echo: Callable[[str], objec
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        kill_group(proc)
+        kill_group(proc, grace=2.0)
         reader.join()
         raise subprocess.TimeoutExpired(proc.args, timeout, "".join(lines)) from None
     reader.join()
@@ -187,6 +259,7 @@ def kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:
     and clusters down on it) and that many seconds to exit; then SIGKILL for what is left.
     """
     if proc.poll() is not None:
+        _kill_stragglers(proc.pid)
         return
     if grace > 0:
         try:
@@ -194,11 +267,44 @@ def kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:
             proc.wait(timeout=grace)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    _kill_stragglers(proc.pid)
     proc.wait()
+
+
+def _kill_stragglers(pgid: int) -> None:
+    """SIGKILL what is left of a process group (ranks outlive a launcher that exited)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@contextmanager
+def ends_with_launcher() -> Iterator[None]:
+    """Inside the block, SIGTERM and SIGHUP end this process the way Ctrl-C does.
+
+    By default they kill Python on the spot, skipping ``finally`` blocks, so a
+    launcher's MPI job (in a session of its own, out of the terminal's reach)
+    would run on, orphaned. Here they raise SystemExit instead, and the cleanup
+    around the job runs. Signals can only be handled in the main thread; elsewhere
+    (and for signals this process ignores) nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+    for sig in TERMINATING:
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            previous[sig] = signal.signal(sig, _exit_on_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _tail(text: str | None, lines: int = 40) -> str:

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from pcourse.cluster.launch import kill_group
+from pcourse.cluster.launch import ends_with_launcher, kill_group
 
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
 IFNAMES = ("veth-a", "veth-b")
@@ -165,20 +165,21 @@ def run_allreduce(nodes: Nodes, ifnames: Sequence[str] | None = None, timeout: f
     """
     ifnames = list(ifnames or nodes.ifnames)
     procs = []
-    try:
-        for rank, ns in enumerate(nodes.names):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
-                   "MASTER_ADDR": nodes.addrs[0], "MASTER_PORT": str(port),
-                   "GLOO_SOCKET_IFNAME": ifnames[rank], "PCOURSE_NETNS_TIMEOUT": str(timeout)}
-            cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "pcourse.cluster.netns"]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True))
-        deadline = time.monotonic() + timeout + KILL_MARGIN  # one deadline for both ranks
-        outputs = [_collect(p, deadline) for p in procs]
-    finally:
-        for p in procs:
-            kill_group(p)
+    with ends_with_launcher():  # a SIGTERM to us ends the ranks too
+        try:
+            for rank, ns in enumerate(nodes.names):
+                env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
+                       "MASTER_ADDR": nodes.addrs[0], "MASTER_PORT": str(port),
+                       "GLOO_SOCKET_IFNAME": ifnames[rank], "PCOURSE_NETNS_TIMEOUT": str(timeout)}
+                cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "pcourse.cluster.netns"]
+                procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True,
+                                              start_new_session=True))
+            deadline = time.monotonic() + timeout + KILL_MARGIN  # one deadline for both ranks
+            outputs = [_collect(p, deadline) for p in procs]
+        finally:
+            for p in procs:
+                kill_group(p)
     return [_outcome(r, nodes.names[r], ifnames[r], out) for r, out in enumerate(outputs)]
 
 
@@ -188,8 +189,6 @@ def _collect(proc: subprocess.Popen, deadline: float) -> str:
     except subprocess.TimeoutExpired:
         kill_group(proc)
         return json.dumps({"error": "no answer by the deadline: killed"})
-
-
 
 
 def _outcome(rank: int, ns: str, ifname: str, output: str) -> RankOutcome:

@@ -3,48 +3,181 @@
 A grader's worst case is a check that passes a wrong answer; a learner's is a check
 that fails without saying why. So every check cell
 
-- runs the learner's function on every engine through :func:`run`, with a deadline
-  (a wrong ring allreduce can deadlock) and with the engine's error, rank included,
-  as a short exception instead of a wall of ipyparallel internals;
+- runs the learner's function on the engines through :func:`run`, as the ranks of
+  a world of a given size (:data:`SIZES`: 2, where left and right neighbours
+  coincide, and 3, where they do not), with a deadline and with the failing rank's
+  error as a short message instead of a wall of ipyparallel internals;
 - compares the result with a reference computed independently of the learner's
   code (MPI's own collectives, a single-process run, torch's own sampler);
 - prints one deterministic verdict line, ``check 2/3 <what>: PASS`` or
-  ``... FAIL: <why>``, which nbval compares with the solution's stored ``PASS``.
+  ``... FAIL: at 3 ranks, rank 1: <why>``, which the grader compares with the line
+  the solution printed.
+
+The grader runs the check cells from ``solutions/``, never the learner's copy, and
+attaches every notebook to a cluster it started (:func:`start_cluster`).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import sys
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
-RUN_TIMEOUT = 60.0  # seconds; every check finishes in a few seconds when correct
+from pcourse.grading import comm as _comm
+from pcourse.grading.comm import Call, CountingComm, DeadlockError  # noqa: F401 - re-exported
 
-# Methods of an mpi4py communicator, by kind, as CountingComm records them.
-POINT_TO_POINT = ("Send", "Recv", "Sendrecv", "Isend", "Irecv", "Ssend", "Sendrecv_replace",
-                  "send", "recv", "sendrecv", "isend", "irecv", "ssend")
-COLLECTIVES = ("Allreduce", "Iallreduce", "Reduce", "Bcast", "Ibcast", "Allgather",
-               "Allgatherv", "Gather", "Scatter", "Reduce_scatter", "Reduce_scatter_block",
-               "Alltoall", "Scan", "Exscan", "allreduce", "reduce", "bcast", "allgather",
-               "gather", "scatter", "alltoall", "scan", "exscan")
+SIZES = (2, 3)  # world sizes every check runs at: the engines a notebook starts
+RUN_TIMEOUT = 20.0  # seconds for one trial on every rank: far more than a correct one needs
+ERROR_GRACE = 3.0  # seconds the other ranks get to finish once one rank has failed
+CLUSTER_ENV = "PCOURSE_GRADER_CLUSTER"  # set by the grader: its cluster's client file
 
-SENDING = ("Send", "Isend", "Ssend", "Sendrecv", "Sendrecv_replace", "send", "isend", "ssend",
-           "sendrecv")
+ENGINE_DIED = ("an engine (an MPI process) died: did the code call os._exit or MPI's Abort, "
+               "or crash?")
 
-_stuck = False  # set when a run timed out: the engines are still busy with it
+_stuck = False  # set when a run never finished: the engines are still busy with it
 
 
 class ExerciseError(RuntimeError):
     """The learner's code raised on an engine, or never finished."""
 
 
-def verdict(i: int, n: int, what: str, problem: str | None) -> None:
-    """Print the check's one line: PASS when ``problem`` is None, else FAIL and why."""
-    print(f"check {i}/{n} {what}: " + ("PASS" if problem is None else f"FAIL: {problem}"))
+class TamperError(RuntimeError):
+    """A learner cell replaced something the checks rely on."""
+
+
+# ---------------------------------------------------------------- the cluster
+
+@dataclass
+class Attached:
+    """The grader's running cluster, as a notebook kernel sees it (no processes owned)."""
+
+    client: Any
+    view: Any
+    engines: list[int] = field(default_factory=list)  # engine ids in MPI rank order
+
+    @property
+    def n(self) -> int:
+        return len(self.engines)
+
+
+def start_cluster(n: int = max(SIZES)) -> Any:
+    """``n`` MPI engines for the checks: the grader's, when a grader runs the notebook.
+
+    A learner gets a cluster of their own (:func:`pcourse.cluster.start_cluster`).
+    Under the grader (``$PCOURSE_GRADER_CLUSTER`` names its cluster's connection
+    file) the notebook attaches to the cluster the grader keeps for many
+    notebooks, and :func:`stop_cluster` only detaches.
+    """
+    where = os.environ.get(CLUSTER_ENV)
+    if not where:
+        from pcourse.cluster import start_cluster as start
+
+        return start(n)
+    import ipyparallel as ipp
+
+    client = ipp.Client(where)
+    client.wait_for_engines(n, timeout=60, interactive=False)
+    ids = sorted(client.ids)[:n]
+    view = client[ids]
+    view.block = False
+    view.use_cloudpickle().get(timeout=60)
+    ranks = view.apply_async(_comm.world_rank).get(timeout=60)
+    return Attached(client, view, [i for _, i in sorted(zip(ranks, ids, strict=True))])
+
+
+def stop_cluster(mc: Any) -> None:
+    """Stop the learner's own cluster; from the grader's, only detach."""
+    if isinstance(mc, Attached):
+        mc.client.close()
+        return
+    from pcourse.cluster import stop_cluster as stop
+
+    stop(mc)
+
+
+def _engine_ids(mc: Any) -> list[int]:
+    """Engine ids in MPI rank order (a learner's own cluster numbers engines by rank)."""
+    return mc.engines if isinstance(mc, Attached) else sorted(mc.client.ids)
+
+
+# ---------------------------------------------------------------- running a trial
+
+def run(mc: Any, fn: Callable, *args: Any, ranks: int, timeout: float = RUN_TIMEOUT,
+        **kwargs: Any) -> list:
+    """``fn(*args, **kwargs)`` on every rank of a ``ranks``-rank world; results in rank order.
+
+    The world is a sub-communicator of the cluster (see :mod:`pcourse.grading.comm`);
+    the learner's functions among ``args`` (and those they call) are pushed to the
+    engines first, so one may call another. Raises :class:`ExerciseError` saying at
+    which size and on which rank the code failed, or that it never finished.
+    """
+    global _stuck
+    if _stuck:
+        raise ExerciseError(
+            "the engines are still stuck in an earlier check that never finished. Fix "
+            "the code, then restart the kernel and run all cells again.")
+    ids = _engine_ids(mc)
+    if not 1 <= ranks <= len(ids):
+        raise ValueError(f"cannot run at {ranks} ranks on {len(ids)} engines")
+    mine = _learner_functions(args)
+    if mine:
+        mc.view.push(mine, block=True)
+    pending = [mc.client[i].apply_async(_comm.on_ranks, ranks, fn, args, kwargs) for i in ids]
+    outcomes, finished = _collect(pending, timeout)
+    if not finished:
+        _stuck = True
+    failed = sorted((o for o in outcomes if o and "error" in o), key=lambda o: o["rank"])
+    if failed:
+        name, message, where = failed[0]["error"]
+        detail = f"\n{where}" if where else ""
+        left = "" if finished else " (and the other ranks never finished)"
+        raise ExerciseError(f"at {ranks} ranks, rank {failed[0]['rank']} raised "
+                            f"{name}: {message}{left}{detail}")
+    if not finished:
+        raise ExerciseError(
+            f"at {ranks} ranks, the code did not finish within {timeout:.0f} s on every rank. "
+            "A deadlock? Every send needs a matching receive on the neighbour, and every "
+            "rank must call the same collectives in the same order.")
+    return [o["value"] for o in sorted((o for o in outcomes if o), key=lambda o: o["rank"])]
+
+
+def _collect(pending: list, timeout: float) -> tuple[list, bool]:
+    """Every engine's outcome (None where unfinished), and whether all finished.
+
+    Stops waiting ``ERROR_GRACE`` seconds after the first error: the other ranks are
+    then usually waiting for the failed one, forever.
+    """
+    import ipyparallel as ipp
+
+    deadline, failed_at = time.monotonic() + timeout, None
+    outcomes: list = [None] * len(pending)
+    while True:
+        for k, result in enumerate(pending):
+            if outcomes[k] is None and result.ready():
+                try:
+                    outcomes[k] = result.get(0) or {}
+                except (ipp.error.EngineError, ipp.error.RemoteError) as exc:
+                    died = isinstance(exc, ipp.error.EngineError) \
+                        or getattr(exc, "ename", "") == "EngineError"
+                    outcomes[k] = {"rank": k, "error": (
+                        ("EngineError", ENGINE_DIED, "") if died else
+                        (getattr(exc, "ename", type(exc).__name__), str(exc), ""))}
+        if all(o is not None for o in outcomes):
+            return outcomes, True
+        now = time.monotonic()
+        if failed_at is None and any(o and "error" in o for o in outcomes):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + ERROR_GRACE):
+            return outcomes, False
+        time.sleep(0.01)
 
 
 def _learner_functions(args: Sequence[Any]) -> dict[str, Callable]:
@@ -67,98 +200,37 @@ def _learner_functions(args: Sequence[Any]) -> dict[str, Callable]:
     return found
 
 
-def run(mc: Any, fn: Callable, *args: Any, timeout: float = RUN_TIMEOUT, **kwargs: Any) -> list:
-    """``fn(*args, **kwargs)`` on every engine; the results in rank order.
+def at_sizes(check: Callable[[int], str | None], sizes: Sequence[int] = SIZES) -> str | None:
+    """``check(p)`` for every world size p, stopping at the first problem.
 
-    The learner's functions among ``args`` (and those they call) are pushed to the
-    engines first, so one may call another.
+    The problem says at which size it showed; an :class:`ExerciseError` (the code
+    raised, or never finished) is a problem like any other.
     """
-    global _stuck
-    if _stuck:
-        raise ExerciseError(
-            "the engines are still stuck in an earlier check that never finished. Fix "
-            "the code, then restart the kernel and run all cells again.")
-    mine = _learner_functions(args)
-    if mine:
-        mc.view.push(mine, block=True)
-    result = mc.view.apply_async(fn, *args, **kwargs)
-    try:
-        return result.get(timeout=timeout)
-    except Exception as exc:  # noqa: BLE001 - translated below, or re-raised as is
-        raise _explain(exc, timeout) from None
+    for p in sizes:
+        try:
+            problem = check(p)
+        except ExerciseError as exc:
+            return str(exc)
+        if problem:
+            return f"at {p} ranks, {problem}"
+    return None
 
 
-def _explain(exc: Exception, timeout: float) -> Exception:
-    """One readable exception for an engine error or a timeout."""
-    global _stuck
-    import ipyparallel as ipp
+# ---------------------------------------------------------------- saying and comparing
 
-    if isinstance(exc, ipp.error.TimeoutError):
-        _stuck = True
-        return ExerciseError(
-            f"the code did not finish within {timeout:.0f} s on every rank. A deadlock? "
-            "Every send needs a matching receive on the neighbour, and every rank must "
-            "call the same collectives in the same order.")
-    errors = getattr(exc, "elist", None)
-    if errors is None and isinstance(exc, ipp.error.RemoteError):
-        errors = [(exc.ename, exc.evalue, exc.traceback, exc.engine_info)]
-    if not errors:
-        return exc
-    ename, evalue, tb, info = errors[0]
-    rank = (info or {}).get("engine_id", "?")
-    tail = "\n".join((tb or "").strip().splitlines()[-12:])
-    return ExerciseError(f"rank {rank} raised {ename}: {evalue}\n\n{tail}")
+def verdict(i: int, n: int, what: str, problem: str | None) -> None:
+    """Print the check's one line: PASS when ``problem`` is None, else FAIL and why.
 
-
-class CountingComm:
-    """An mpi4py communicator that records every call before making it.
-
-    Checks use it to see *how* a result was computed: point-to-point only, how many
-    messages and how large, one collective or one per parameter.
+    Only the first line of ``problem`` is on the verdict line; the rest (the failing
+    rank's traceback) follows, indented.
     """
-
-    def __init__(self, comm: Any) -> None:
-        self._comm = comm
-        self.calls: list[tuple[str, int]] = []  # (method, elements sent)
-
-    def __getattr__(self, name: str) -> Any:
-        target = getattr(self._comm, name)
-        if name not in POINT_TO_POINT + COLLECTIVES:
-            return target
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            buf = args[0] if args else next(iter(kwargs.values()), None)
-            if _is_in_place(buf) and len(args) > 1:
-                buf = args[1]  # Allreduce(MPI.IN_PLACE, buf): the data is the receive buffer
-            self.calls.append((name, _elements(buf)))
-            return target(*args, **kwargs)
-
-        return counted
-
-    def collectives(self) -> list[tuple[str, int]]:
-        return [c for c in self.calls if c[0] in COLLECTIVES]
-
-    def sends(self) -> list[tuple[str, int]]:
-        """Calls that send data to another rank (receives excluded)."""
-        return [c for c in self.calls if c[0] in SENDING]
-
-
-def _is_in_place(buf: Any) -> bool:
-    from mpi4py import MPI
-
-    return buf is MPI.IN_PLACE
-
-
-def _elements(buf: Any) -> int:
-    """How many numbers a buffer argument holds (1 for a scalar or a Python object)."""
-    if isinstance(buf, list | tuple) and buf and hasattr(buf[0], "size"):
-        buf = buf[0]  # mpi4py's [array, MPI type] form
-    size = getattr(buf, "size", None)
-    if callable(size):  # a torch tensor
-        return int(buf.numel())
-    if isinstance(size, int):  # a numpy array
-        return size
-    return 1
+    if problem is None:
+        print(f"check {i}/{n} {what}: PASS")
+        return
+    first, _, rest = problem.partition("\n")
+    print(f"check {i}/{n} {what}: FAIL: {first}")
+    if rest.strip():
+        print(rest)
 
 
 def per_rank(results: Sequence[Any], test: Callable[[int, Any], str | None]) -> str | None:
@@ -170,10 +242,9 @@ def per_rank(results: Sequence[Any], test: Callable[[int, Any], str | None]) -> 
     return None
 
 
-def uses(calls: Sequence[tuple[str, int]], method: str,
-         instead_of: str | None = None) -> str | None:
+def uses(calls: Sequence[Call], method: str, instead_of: str | None = None) -> str | None:
     """None when ``method`` was called (and ``instead_of`` was not), else what was."""
-    used = sorted({name for name, _ in calls})
+    used = sorted({c.name for c in calls})
     if method not in used:
         return f"comm.{method} was never called (calls made: {', '.join(used) or 'none'})"
     if instead_of and instead_of in used:
@@ -181,14 +252,22 @@ def uses(calls: Sequence[tuple[str, int]], method: str,
     return None
 
 
-def tensors_differ(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor],
-                   names: Sequence[str] | None = None, rtol: float = 1e-5,
-                   atol: float = 1e-6) -> str | None:
-    """None when every tensor matches its reference, else which one and by how much."""
+def tensors_differ(got: Sequence[Any], want: Sequence[Any], names: Sequence[str] | None = None,
+                   rtol: float = 1e-5, atol: float = 1e-6) -> str | None:
+    """None when every tensor matches its reference, else which one and by how much.
+
+    ``None`` stands for a missing gradient and matches only ``None``.
+    """
     if len(got) != len(want):
         return f"{len(got)} tensors where {len(want)} were expected"
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         name = names[i] if names else f"tensor {i}"
+        if g is None or w is None:
+            if g is not w:
+                return (f"{name} has no gradient, but should" if g is None else
+                        f"{name} got a gradient, but it has none (frozen or unused): leave "
+                        "p.grad None, as torch does")
+            continue
         g, w = _tensor(g), _tensor(w)
         if g.shape != w.shape:
             return f"{name} has shape {tuple(g.shape)}, expected {tuple(w.shape)}"
@@ -215,3 +294,36 @@ def _ratio(got: torch.Tensor, want: torch.Tensor) -> float | None:
     if torch.allclose(r, r[0].expand_as(r), rtol=1e-4) and abs(r[0].item() - 1) > 1e-3:
         return round(r[0].item(), 3)
     return None
+
+
+# ---------------------------------------------------------------- the checks' own names
+
+_snapshot: dict[str, int] = {}
+
+
+def _watched(namespace: dict, names: Sequence[str]) -> dict[str, int]:
+    """id() of every named global and of everything in the grading modules."""
+    found = {f"name {n}": id(namespace.get(n)) for n in names}
+    for module in _grading_modules():
+        found.update({f"{module.__name__}.{k}": id(v) for k, v in vars(module).items()
+                      if not k.startswith("__") and k not in ("_stuck", "_snapshot")})
+    return found
+
+
+def _grading_modules() -> list[ModuleType]:
+    return [m for name, m in sys.modules.items() if name.startswith("pcourse.grading")
+            and isinstance(m, ModuleType)]
+
+
+def remember(namespace: dict, names: Sequence[str]) -> None:
+    """Note what the checks' names are bound to (the grader runs this after the setup)."""
+    _snapshot.clear()
+    _snapshot.update(_watched(namespace, names))
+
+
+def unchanged(namespace: dict, names: Sequence[str]) -> None:
+    """Raise TamperError if a learner cell rebound a name noted by :func:`remember`."""
+    now = _watched(namespace, names)
+    changed = sorted(k for k, v in _snapshot.items() if now.get(k) != v)
+    if changed:
+        raise TamperError(f"your code replaced {', '.join(changed[:3])}, which the checks use")

@@ -14,10 +14,12 @@ The exercise keeps everything else and replaces each marked region by::
         # Hint: one permutation, the same on every rank ...
         raise NotImplementedError("one permutation, the same on every rank ...")
 
-Cells with a region (learner cells) lose their outputs; every other cell keeps the
-outputs the solution produced, and with them its execution count. That is what nbval
-compares the learner's run against: the check cells' stored ``PASS`` lines. (nbval
-does not compare a cell whose execution count is empty, so the counts must stay.)
+Cells with a region are the learner's: they get the tag ``nbval-ignore-output``
+(a learner's own prints are not compared). Every code cell loses its outputs and
+execution count: an exercise must not show ``PASS`` under a check before the
+learner has written a line. The expected outputs stay where they are needed, in
+``solutions/``: the grader takes every check cell, source and output, from there
+(:mod:`pcourse.grading.submission`).
 
 ``python -m pcourse.grading.exercises`` regenerates exercises/; ``--check`` only reports
 whether the committed files are stale, as the tests do.
@@ -103,11 +105,10 @@ def generate(solution: nbformat.NotebookNode, name: str = "notebook") -> nbforma
         cell.metadata.pop("execution", None)  # timestamps: noise in every diff
         if cell.cell_type != "code":
             continue
+        cell.outputs, cell.execution_count = [], None
         stripped = strip_solutions(cell.source, f"{name}, cell {i}")
         if stripped != cell.source:
             cell.source = stripped
-            cell.outputs = []
-            cell.execution_count = None
             tags = cell.metadata.setdefault("tags", [])
             if LEARNER_TAG not in tags:
                 tags.append(LEARNER_TAG)

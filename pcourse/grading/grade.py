@@ -1,218 +1,341 @@
-"""Grade exercise notebooks with nbval and say, in plain words, what failed.
+"""Grade exercise notebooks, or a whole class, and say in plain words what failed.
 
-``python -m pcourse.grading.grade [notebooks...]`` (default: every notebook in exercises/)
-re-executes each notebook with nbval, which compares every check cell's output with
-the ``PASS`` lines the solution stored, and prints one row per exercise::
+``python -m pcourse.grading.grade [notebooks...]`` grades the given notebooks (default:
+every notebook in exercises/) and prints one row per notebook::
 
     exercise                  checks  first failure
-    01_partitioner            3/3     -
-    02_average_gradients      0/3     cell 2 (check 1/3): NotImplementedError: not solved yet ...
+    01_partitioner            4/4     -
+    02_average_gradients      0/4     check 1/4: not solved yet (NotImplementedError) ...
 
-The notebooks run in one or a few pytest processes (``--jobs``), one kernel and one
-engine cluster per notebook; nbval's results come back through JUnit XML files. The exit code is 1
-when any exercise fails, so ``make grade`` fails too.
+``python -m pcourse.grading.grade --class DIR`` grades ``DIR/<learner>/<exercise>.ipynb``
+for every learner (a folder of DIR) and every exercise (a notebook of solutions/):
+one row per learner and exercise, a total per learner, and two CSV files, written
+atomically: ``grades.csv`` (one row per learner and exercise, with the reason) and
+``gradebook.csv`` (one row per learner: checks passed per exercise, and totals).
+
+A notebook is never trusted (:mod:`pcourse.grading.submission`): its check cells and
+their expected outputs come from solutions/, only the learner's cells from the file.
+A file that is not a notebook, is missing or renamed, whose cells were moved or whose
+code reaches for the checks gets a row saying so and is not run. The rest run on a
+few workers, each reusing one engine cluster (:mod:`pcourse.grading.runner`), with a
+time limit per notebook; a notebook that hangs, kills its kernel or an engine gets
+a row saying so, and the others are graded all the same.
+
+A notebook's file name says which exercise it is: ``02_average_gradients.ipynb``, or
+``02_average_gradients__anything.ipynb`` for several versions side by side.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import re
-import subprocess
+import signal
 import sys
-import tempfile
 import time
-import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
 
-from pcourse.cluster.launch import kill_group
+from pcourse.grading import submission
+from pcourse.grading.runner import Executed, Job, run_jobs
+from pcourse.utils.io import write_csv
 
 REPO = Path(__file__).resolve().parents[2]
-CELL_TIMEOUT = 300  # seconds per cell; the checks' own deadline is shorter (checks.RUN_TIMEOUT)
-NOTEBOOK_TIMEOUT = 600  # seconds per notebook, for the whole pytest run
-CHECK_TAG = "check"
-# Used when the repository's tests/ (and its sanitizer) is not next to the package.
-FALLBACK_SANITIZE = "[memory addresses]\nregex: 0x[0-9a-fA-F]+\nreplace: 0xADDRESS\n"
-ANSI = re.compile(r"(?:\x1b|#x1B)\[[0-9;]*m")  # JUnit XML writes ESC as "#x1B"
-EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)): ?(.*)$")
+SOLUTIONS = REPO / "solutions"
+NOTEBOOK_TIMEOUT = 240.0  # seconds per notebook, kernel start included; a setting, not a measure
+EXCEPTION = re.compile(r"raised ([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))")
 
 
 @dataclass
 class Grade:
-    """One exercise's result."""
+    """One notebook's result (or one learner's missing notebook)."""
 
-    path: Path
-    passed: int  # check cells that ran and printed what the solution printed
-    total: int  # check cells in the notebook
-    first_failure: str | None  # None when every cell passed
+    path: Path | None
+    exercise: str
+    passed: int = 0  # check cells that printed what the solution printed
+    total: int = 0  # check cells in the exercise
+    first_failure: str | None = None  # None when every check passed
+    status: str = "graded"  # or: missing, invalid, tampered, syntax, timeout, crashed, error
+    learner: str = ""
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
 
     @property
     def name(self) -> str:
-        return self.path.stem
+        return self.path.stem if self.path else self.exercise
 
     @property
     def ok(self) -> bool:
-        return self.first_failure is None
+        return self.status == "graded" and self.first_failure is None \
+            and self.passed == self.total > 0
 
 
-def _check_cells(nb: nbformat.NotebookNode) -> dict[int, tuple[int, str]]:
-    """nbval's cell number (index among code cells) -> (check number, stored output)."""
-    checks, k = {}, 0
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    for i, cell in enumerate(code):
-        if CHECK_TAG in cell.metadata.get("tags", []):
-            k += 1
-            text = "".join(o.get("text", "") for o in cell.outputs).strip()
-            checks[i] = (k, text)
-    return checks
+# ---------------------------------------------------------------- which exercise, which file
+
+def exercises(solutions: Path = SOLUTIONS) -> dict[str, Path]:
+    return {p.stem: p for p in sorted(Path(solutions).glob("*.ipynb"))}
 
 
-def _pytest_command(notebooks: list[Path], tmp: Path, cell_timeout: float) -> list[str]:
-    sanitize = REPO / "tests" / "nbval_sanitize.cfg"
-    if not sanitize.exists():
-        sanitize = tmp / "sanitize.cfg"
-        sanitize.write_text(FALLBACK_SANITIZE)
-    ini = tmp / "pytest.ini"  # our own, so the repository's addopts and testpaths stay out
-    ini.write_text("[pytest]\njunit_family = xunit1\n")
-    return [sys.executable, "-m", "pytest", "-c", str(ini), "--rootdir", str(tmp),
-            "-p", "no:cacheprovider", "-q", "--nbval", "--nbval-current-env",
-            f"--nbval-cell-timeout={cell_timeout:g}", f"--nbval-sanitize-with={sanitize}",
-            f"--junitxml={tmp / 'junit.xml'}", *map(str, notebooks)]
+def exercise_of(path: Path, known: dict[str, Path]) -> str | None:
+    """The exercise a file name names: ``NAME.ipynb`` or ``NAME__anything.ipynb``."""
+    stem = Path(path).stem
+    return stem if stem in known else (stem.split("__")[0] if stem.split("__")[0] in known
+                                      else None)
 
 
-def run_nbval(notebooks: list[Path], cell_timeout: float = CELL_TIMEOUT, jobs: int = 1) -> dict:
-    """nbval's verdict on every cell: {(notebook, cell number): failure text or None}.
+def _title(path: Path) -> str | None:
+    """The first line of a notebook's first markdown cell (None if unreadable)."""
+    try:
+        cells = json.loads(Path(path).read_text(encoding="utf-8")).get("cells", [])
+        first = next(c for c in cells if c.get("cell_type") == "markdown")
+        source = "".join(first["source"]) if isinstance(first["source"], list) else first["source"]
+        return source.strip().splitlines()[0]
+    except Exception:  # noqa: BLE001 - any unreadable file simply has no title
+        return None
 
-    ``jobs`` pytest processes share the notebooks; most of a notebook's time is spent
-    waiting for its kernel and engines to start, so two run in little more than one's time.
+
+# ---------------------------------------------------------------- grading
+
+def grade(notebooks: list[Path], jobs: int = 2, timeout: float = NOTEBOOK_TIMEOUT,
+          solutions: Path = SOLUTIONS, learners: list[str] | None = None) -> list[Grade]:
+    """Grade every notebook; one Grade each, in order.
+
+    ``learners`` (one name per notebook) only labels the rows of a class.
     """
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    groups = [notebooks[i::jobs] for i in range(max(1, min(jobs, len(notebooks))))]
-    results: dict = {}
-    # One deadline for all groups, since they run side by side.
-    deadline = time.monotonic() + NOTEBOOK_TIMEOUT * max(len(g) for g in groups)
-    with tempfile.TemporaryDirectory(prefix="pcourse-grade-") as name:
-        dirs = [Path(name) / f"job{i}" for i in range(len(groups))]
-        procs: list[subprocess.Popen] = []
-        try:
-            for group, tmp in zip(groups, dirs, strict=True):
-                tmp.mkdir()
-                # Own session: a timeout reaps pytest *and* its kernels and engines.
-                procs.append(subprocess.Popen(
-                    _pytest_command(group, tmp, cell_timeout), env=env, text=True,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
-            for group, tmp, proc in zip(groups, dirs, procs, strict=True):
-                try:
-                    out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    kill_group(proc, grace=30)
-                    out, _ = proc.communicate()
-                xml = tmp / "junit.xml"
-                if not xml.exists():
-                    raise RuntimeError(f"nbval did not run (exit code {proc.returncode}):\n"
-                                       f"{out[-3000:]}")
-                results.update(_parse_junit(ET.parse(xml), group, tmp))
-        finally:
-            for proc in procs:
-                kill_group(proc, grace=30)
-    return results
-
-
-def _parse_junit(tree: ET.ElementTree, notebooks: list[Path], rootdir: Path) -> dict:
-    """{(notebook, cell number): failure text, or None if the cell passed}."""
-    by_file = {p.resolve(): p for p in notebooks}
-    results: dict = {}
-    for case in tree.iter("testcase"):
-        match = re.search(r"Cell (\d+)$", case.get("name", ""))
-        file = case.get("file")
-        if not match or not file:
+    known = exercises(solutions)
+    grades, runnables, todo = [], {}, []
+    for k, path in enumerate(map(Path, notebooks)):
+        name = exercise_of(path, known)
+        g = Grade(path, name or path.stem, learner=learners[k] if learners else "")
+        grades.append(g)
+        if name is None:
+            g.status = "invalid"
+            g.first_failure = (f"no exercise is named {path.stem!r}: name the file as in "
+                               "exercises/")
             continue
-        path = by_file.get((rootdir / file).resolve())  # JUnit paths are relative to it
-        problem = next((el for el in case if el.tag in ("failure", "error")), None)
-        text = None
-        if problem is not None:
-            text = ANSI.sub("", (problem.get("message") or "") + "\n" + (problem.text or ""))
-        elif any(el.tag == "skipped" for el in case):
-            text = "skipped"
-        results[(path, int(match.group(1)))] = text
-    return results
-
-
-def explain(text: str, expected: str | None) -> str:
-    """A failure of one cell, in plain words."""
-    if "Timeout of" in text and "exceeded" in text:
-        return "the cell did not finish in time (an endless loop, or a deadlock?)"
-    if "Cell outputs differ" in text:
-        # pytest's diff may cut the start of the line; the verdict starts where FAIL does
-        found = re.search(r"(FAIL: .*?)(?:\\n['\"]|$)", text.split("Traceback:")[-1], re.M)
-        if found and expected and expected.endswith("PASS"):
-            return f"expected {expected!r} but got {expected[:-4] + found.group(1)!r}"
-        return "its output differs from the solution's (see nbval's report)"
-    errors = [EXCEPTION.match(ln.strip()) for ln in text.splitlines()]
-    errors = [m for m in errors if m]
-    if errors:
-        first = next((m for m in errors if m.group(1).endswith("ExerciseError")), errors[-1])
-        line = f"{first.group(1).split('.')[-1]}: {first.group(2)}".strip()
-        if "NotImplementedError" in line:
-            return "not solved yet (NotImplementedError): fill in the cells marked YOUR CODE HERE"
-        return line
-    return text.strip().splitlines()[0] if text.strip() else "failed"
-
-
-def grade(notebooks: list[Path], cell_timeout: float = CELL_TIMEOUT, jobs: int = 1) -> list[Grade]:
-    """Run nbval on every notebook (``jobs`` pytest processes) and grade each."""
-    notebooks = [Path(p) for p in notebooks]
-    cells = run_nbval(notebooks, cell_timeout, jobs)
-    grades = []
-    for path in notebooks:
-        checks = _check_cells(nbformat.read(path, as_version=4))
-        mine = sorted((num, text) for (p, num), text in cells.items() if p == path)
-        passed = sum(1 for num, text in mine if num in checks and text is None)
-        first = next(((num, text) for num, text in mine if text is not None), None)
-        failure = None
-        if not mine:
-            failure = "nbval collected no cells (is it a notebook?)"
-        elif first:
-            num, text = first
-            where = f"cell {num}" + (f" (check {checks[num][0]}/{len(checks)})"
-                                     if num in checks else "")
-            failure = f"{where}: {explain(text, checks.get(num, (0, None))[1])}"
-        grades.append(Grade(path, passed, len(checks), failure))
+        solution = nbformat.read(known[name], as_version=4)
+        g.total = sum(submission.CHECK_TAG in c.metadata.get("tags", []) for c in solution.cells)
+        try:
+            runnable = submission.prepare(submission.read(path), solution, name)
+        except submission.Rejected as exc:
+            g.status, g.first_failure = exc.kind, exc.reason
+            continue
+        g.notes = runnable.notes
+        runnables[k] = runnable
+        todo.append(Job(k, runnable.notebook, timeout))
+    for k, executed in run_jobs(todo, workers=jobs).items():
+        _judge(grades[k], runnables[k], executed, timeout)
     return grades
 
 
+def _judge(g: Grade, runnable: submission.Runnable, run: Executed, limit: float) -> None:
+    """Fill in a Grade from what running its notebook printed."""
+    g.seconds = run.seconds
+    checks = sorted(runnable.checks)
+    number = {cell: k + 1 for k, cell in enumerate(checks)}
+
+    def where(cell: int) -> str:
+        if cell in number:
+            return f"check {number[cell]}/{len(checks)}"
+        return "your code" if cell in runnable.learner else f"cell {cell}"
+
+    g.passed = sum(1 for c in checks if c not in run.errors and
+                   run.stdout.get(c, "").strip() == runnable.checks[c].strip())
+    if run.stopped and run.stopped[0] == "grader":
+        g.status, g.first_failure = "error", f"the grader could not run it: {run.detail}"
+        return
+    hidden = [i for i, c in enumerate(runnable.notebook.cells)
+              if c.metadata.get(submission.HIDDEN)]
+    tampered = next((run.errors[i] for i in hidden if i in run.errors), None)
+    if tampered:
+        g.status, g.passed = "tampered", 0
+        g.first_failure = (f"{tampered[1]}: a YOUR CODE cell may only define the "
+                           "exercise's functions")
+        return
+    first_code = min(i for i, c in enumerate(runnable.notebook.cells) if c.cell_type == "code")
+    if first_code in run.errors:
+        g.status = "error"
+        g.first_failure = f"the setup cell failed: {': '.join(run.errors[first_code])}"
+        return
+    if run.stopped:
+        kind, cell = run.stopped
+        at = f" (in {where(cell)})" if cell >= 0 else ""
+        g.status = "timeout" if kind == "timeout" else "crashed"
+        g.first_failure = (f"did not finish within {limit:g} s{at}" if kind == "timeout" else
+                           f"the kernel died{at}: did the code exit Python or crash it?")
+        return
+    for cell in sorted(set(runnable.learner) | set(checks)):
+        problem = _problem(run, cell, runnable.checks.get(cell))
+        if problem:
+            g.first_failure = f"{where(cell)}: {problem}"
+            return
+
+
+def _problem(run: Executed, cell: int, expected: str | None) -> str | None:
+    """What went wrong in one cell, in a line; None if nothing did."""
+    if cell in run.errors:
+        return explain(": ".join(run.errors[cell]))
+    if expected is None:
+        return None
+    got = run.stdout.get(cell, "").strip()
+    if got == expected.strip():
+        return None
+    fail = next((ln for ln in got.splitlines() if ": FAIL: " in ln), None)
+    if fail:
+        return explain(fail.split(": FAIL: ", 1)[1])
+    return f"printed {got.splitlines()[0] if got else 'nothing'!r}, expected {expected.strip()!r}"
+
+
+def explain(text: str) -> str:
+    """A failure in plain words; an unsolved exercise says so."""
+    if "NotImplementedError" in text:
+        return "not solved yet (NotImplementedError): fill in the cells marked YOUR CODE HERE"
+    return text.strip().splitlines()[0] if text.strip() else "failed"
+
+
+# ---------------------------------------------------------------- a class
+
+def grade_class(folder: Path, jobs: int = 2, timeout: float = NOTEBOOK_TIMEOUT,
+                solutions: Path = SOLUTIONS) -> list[Grade]:
+    """One Grade per learner (a sub-folder) and exercise, learners in name order."""
+    known = exercises(solutions)
+    learners = sorted(p for p in Path(folder).iterdir()
+                      if p.is_dir() and not p.name.startswith((".", "_")))
+    rows: list[Grade] = []
+    present: list[tuple[int, Path]] = []
+    for learner in learners:
+        unknown = sorted(p for p in learner.glob("*.ipynb") if p.stem not in known)
+        for name in known:
+            path = learner / f"{name}.ipynb"
+            rows.append(Grade(path, name, learner=learner.name))
+            if path.is_file():
+                present.append((len(rows) - 1, path))
+            else:
+                rows[-1].status = "missing"
+                rows[-1].first_failure = _missing(name, known[name], unknown)
+    graded = grade([p for _, p in present], jobs, timeout, solutions,
+                   learners=[rows[k].learner for k, _ in present])
+    for (k, _), g in zip(present, graded, strict=True):
+        rows[k] = g
+    for g in rows:
+        if g.status == "missing":
+            g.total = sum(submission.CHECK_TAG in c.metadata.get("tags", []) for c in
+                          nbformat.read(known[g.exercise], as_version=4).cells)
+    return rows
+
+
+def _missing(name: str, solution: Path, unknown: list[Path]) -> str:
+    """Why a learner's notebook is missing, naming a renamed copy if one is there."""
+    title = _title(solution)
+    renamed = [p.name for p in unknown if title and _title(p) == title]
+    if renamed:
+        return (f"missing: {name}.ipynb is not there, but {renamed[0]} looks like it (renamed?); "
+                "the grader reads only files named as in exercises/")
+    others = f" (other notebooks there: {', '.join(p.name for p in unknown)})" if unknown else ""
+    return f"missing: no {name}.ipynb{others}"
+
+
+def write_gradebook(rows: list[Grade], out: Path) -> tuple[Path, Path]:
+    """grades.csv (learner x exercise, with reasons) and gradebook.csv (per learner)."""
+    long = write_csv(out / "grades.csv", [
+        {"learner": g.learner, "exercise": g.exercise, "status": g.status,
+         "checks_passed": g.passed, "checks_total": g.total, "passed": int(g.ok),
+         "first_failure": g.first_failure or "", "notes": "; ".join(g.notes),
+         "seconds": f"{g.seconds:.1f}"} for g in rows],
+        ["learner", "exercise", "status", "checks_passed", "checks_total", "passed",
+         "first_failure", "notes", "seconds"])
+    names = list(dict.fromkeys(g.exercise for g in rows))
+    book = []
+    for learner, mine in _by_learner(rows).items():
+        row = {"learner": learner, **{g.exercise: g.passed for g in mine}}
+        row.update(_totals(mine))
+        book.append(row)
+    wide = write_csv(out / "gradebook.csv", book,
+                     ["learner", *names, "exercises_passed", "checks_passed", "checks_total"])
+    return long, wide
+
+
+def _by_learner(rows: list[Grade]) -> dict[str, list[Grade]]:
+    found: dict[str, list[Grade]] = {}
+    for g in rows:
+        found.setdefault(g.learner, []).append(g)
+    return found
+
+
+def _totals(rows: list[Grade]) -> dict[str, int]:
+    return {"exercises_passed": sum(g.ok for g in rows),
+            "checks_passed": sum(g.passed for g in rows),
+            "checks_total": sum(g.total for g in rows)}
+
+
+# ---------------------------------------------------------------- tables
+
 def table(grades: list[Grade]) -> str:
+    """One row per notebook (and per learner, with a total, for a class)."""
+    learners = any(g.learner for g in grades)
     width = max([len("exercise")] + [len(g.name) for g in grades]) + 2
-    rows = [f"{'exercise':<{width}}checks  first failure"]
-    for g in grades:
-        rows.append(f"{g.name:<{width}}{f'{g.passed}/{g.total}':<8}{g.first_failure or '-'}")
-    ok = sum(g.ok for g in grades)
-    rows.append(f"\n{ok} of {len(grades)} exercises pass.")
+    lwidth = max([len("learner")] + [len(g.learner) for g in grades]) + 2
+    head = (f"{'learner':<{lwidth}}" if learners else "") + f"{'exercise':<{width}}checks  result"
+    rows = [head]
+    for learner, mine in (_by_learner(grades).items() if learners else [("", grades)]):
+        for g in mine:
+            result = "PASS" if g.ok else g.first_failure or "FAIL"
+            note = f"  [{'; '.join(g.notes)}]" if g.notes else ""
+            rows.append((f"{learner:<{lwidth}}" if learners else "")
+                        + f"{g.name:<{width}}{f'{g.passed}/{g.total}':<8}{result}{note}")
+        if learners:
+            t = _totals(mine)
+            rows.append(f"{learner:<{lwidth}}{'TOTAL':<{width}}"
+                        f"{t['checks_passed']}/{t['checks_total']:<5} "
+                        f"{t['exercises_passed']} of {len(mine)} exercises pass")
+    if not learners:
+        rows.append(f"\n{sum(g.ok for g in grades)} of {len(grades)} exercises pass.")
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pcourse.grading.grade",
-                                     description="Grade exercise notebooks with nbval.")
+                                     description="Grade exercise notebooks, or a whole class.")
     parser.add_argument("notebooks", nargs="*", type=Path,
                         help="notebooks to grade (default: every notebook in exercises/)")
-    parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT,
-                        help=f"seconds per cell (default {CELL_TIMEOUT})")
+    parser.add_argument("--class", dest="folder", type=Path, metavar="DIR",
+                        help="grade DIR/<learner>/<exercise>.ipynb for every learner")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="where --class writes grades.csv and gradebook.csv (default: DIR)")
+    parser.add_argument("--timeout", type=float, default=NOTEBOOK_TIMEOUT,
+                        help=f"seconds per notebook (default {NOTEBOOK_TIMEOUT:g})")
     parser.add_argument("-j", "--jobs", type=int, default=2,
-                        help="notebooks graded at the same time (default 2)")
+                        help="notebooks graded at the same time, each worker with its own "
+                             "engines (default 2)")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be positive, got {args.timeout:g}")
+    # SIGTERM (a CI job cancelled, a terminal closed) cleans up like Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    start = time.monotonic()
+    if args.folder is not None:
+        if args.notebooks:
+            parser.error("give either notebooks or --class DIR, not both")
+        if not args.folder.is_dir():
+            parser.error(f"--class {args.folder}: no such folder")
+        rows = grade_class(args.folder, args.jobs, args.timeout)
+        if not rows:
+            parser.error(f"--class {args.folder}: no learner folders in it")
+        print(table(rows))
+        long, wide = write_gradebook(rows, args.out or args.folder)
+        print(f"\n{len(rows)} notebooks graded in {time.monotonic() - start:.0f} s; "
+              f"wrote {long} and {wide}")
+        return 1 if any(g.status == "error" for g in rows) else 0
     notebooks = args.notebooks or sorted((REPO / "exercises").glob("*.ipynb"))
     missing = [str(p) for p in notebooks if not Path(p).is_file()]
     if missing or not notebooks:
         parser.error(f"no such notebook: {', '.join(missing)}" if missing
                      else "no notebooks to grade: exercises/ is empty (run `make exercises`)")
-    grades = grade(notebooks, args.cell_timeout, args.jobs)
+    grades = grade(notebooks, args.jobs, args.timeout)
     print(table(grades))
     return 0 if all(g.ok for g in grades) else 1
 

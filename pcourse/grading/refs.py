@@ -1,36 +1,54 @@
 """The graded exercises' trials (run on the engines) and references (computed apart).
 
-A *trial* runs on every engine: it sets up the situation an exercise is about (a
-model, a data shard, a communicator that counts its calls), calls the learner's
-function, and returns what happened. A *reference* computes the right answer
-without the learner's code and, where it can, without this course's code either:
-torch's own ``DistributedSampler``, MPI's own ``Allreduce``, a single process
-training on the whole batch, a serial simulation of every rank.
+A *trial* runs on every rank of a check's world: it sets up the situation an
+exercise is about (a model, a data shard, a communicator that counts its calls),
+calls the learner's function, and returns what happened. A *reference* computes
+the right answer without the learner's code and, where it can, without this
+course's code either: torch's own ``DistributedSampler``, MPI's own ``Allreduce``,
+a single process training on the whole batch, a serial simulation of every rank.
+
+Trials take the world from :func:`pcourse.grading.comm.world` (the sub-communicator
+the check runs at) and make their own MPI calls *before* the learner's code, never
+after: a learner's rank that failed must not leave the others waiting in ours.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from pcourse.grading.checks import CountingComm
+from pcourse.grading.comm import CountingComm, world
 
-BATCH = 64  # global batch of the gradient exercises, split evenly over the ranks
-
-
-def _world() -> Any:
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
+BATCH = 60  # global batch of the gradient exercises: equal shards at 2, 3, 4, 5 and 6 ranks
 
 
 # ---------------------------------------------------------------- a model and its data
 
-def make_model(seed: int = 0) -> torch.nn.Module:
+class PartlyTrained(torch.nn.Module):
+    """The gradient exercises' model with a frozen bias and an unused layer.
+
+    Both end a backward pass with ``grad is None``, as fine-tuning (frozen layers) and
+    models with optional branches do; gradient averaging must leave them alone.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.body = make_model(seed)
+        self.body[0].bias.requires_grad_(False)
+        self.unused = torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def make_model(seed: int = 0, frozen: bool = False) -> torch.nn.Module:
     """A small MLP whose parameters all differ in shape (wrong offsets show)."""
+    if frozen:
+        return PartlyTrained(seed)
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
 
@@ -50,24 +68,42 @@ def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-def grads(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.grad.detach().clone() for p in model.parameters()]
+def grads(model: torch.nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
 
 
 def params(model: torch.nn.Module) -> list[torch.Tensor]:
     return [t.detach().clone() for t in model.state_dict().values()]
 
 
-def names(model: torch.nn.Module | None = None) -> list[str]:
-    return list((model or make_model()).state_dict())
+def addresses(model: torch.nn.Module) -> list[int]:
+    """Where every parameter and buffer lives: unchanged by anything done in place."""
+    return [t.data_ptr() for t in model.state_dict().values()]
+
+
+def names(frozen: bool = False) -> list[str]:
+    return [n for n, _ in make_model(frozen=frozen).named_parameters()]
+
+
+def sgd_step(model: torch.nn.Module, lr: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
 
 
 # ---------------------------------------------------------------- 01 partitioner
 
-def partition_trial(shard: Callable, n: int, seed: int, epoch: int) -> list[int]:
-    """This rank's indices, as the learner's ``shard`` computes them."""
-    comm = _world()
-    return [int(i) for i in shard(n, comm.rank, comm.size, seed=seed, epoch=epoch)]
+def partition_trial(shard: Callable, cases: list[tuple[int, int, int]]) -> dict:
+    """This rank's indices for every (n, seed, epoch), and whether the global RNGs were spared."""
+    comm = world()
+    before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    shares = [[int(i) for i in shard(n, comm.rank, comm.size, seed=seed, epoch=epoch)]
+              for n, seed, epoch in cases]
+    after = (torch.get_rng_state(), np.random.get_state()[1], random.getstate())
+    spared = (torch.equal(before[0], after[0]) and np.array_equal(before[1], after[1])
+              and before[2] == after[2])
+    return {"shares": shares, "rng_spared": spared}
 
 
 def sampler_reference(n: int, size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -93,46 +129,64 @@ def sampler_reference(n: int, size: int, seed: int, epoch: int) -> list[list[int
 
 # ---------------------------------------------------------------- 02, 06 gradients
 
-def gradient_trial(average: Callable, steps: int = 1, lr: float = 0.1) -> dict:
+def gradient_trial(average: Callable, steps: int = 1, lr: float = 0.1,
+                   frozen: bool = False) -> dict:
     """Backward on this rank's shard, the learner's ``average(model, comm)``, SGD; repeat.
 
     Returns each step's gradients, the final parameters, whether every gradient
     stayed the same tensor (in place), and the communicator calls of each step.
     """
-    comm = _world()
-    model = make_model()
+    comm = world()
+    model = make_model(frozen=frozen)
     x, y = shard_of(make_data(), comm.rank, comm.size)
     out: dict = {"grads": [], "calls": [], "in_place": True}
     for _ in range(steps):
         model.zero_grad(set_to_none=False)
         loss_of(model, x, y).backward()
-        before = [p.grad.data_ptr() for p in model.parameters()]
+        before = [p.grad.data_ptr() if p.grad is not None else None for p in model.parameters()]
         counting = CountingComm(comm)
         average(model, counting)
-        out["in_place"] &= before == [p.grad.data_ptr() for p in model.parameters()]
+        out["in_place"] &= before == [p.grad.data_ptr() if p.grad is not None else None
+                                      for p in model.parameters()]
         out["grads"].append(grads(model))
         out["calls"].append(counting.calls)
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= lr * p.grad
+        sgd_step(model, lr)
     out["params"] = params(model)
     return out
 
 
-def single_process_sgd(steps: int = 1, lr: float = 0.1) -> dict:
+def single_process_sgd(steps: int = 1, lr: float = 0.1, frozen: bool = False) -> dict:
     """The same steps in one process on the whole batch: what averaging must reproduce."""
-    model = make_model()
+    model = make_model(frozen=frozen)
     x, y = make_data()
     out: dict = {"grads": []}
     for _ in range(steps):
         model.zero_grad()
         loss_of(model, x, y).backward()
         out["grads"].append(grads(model))
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= lr * p.grad
+        sgd_step(model, lr)
     out["params"] = params(model)
     return out
+
+
+def time_average(average: Callable, numel: int, repeats: int = 30) -> float:
+    """Median seconds of one ``average(model, comm)`` of a single ``numel``-number gradient.
+
+    Takes the plain communicator: the counting one would add its own cost. Run it
+    only on code the checks have passed.
+    """
+    import time
+
+    comm = world()
+    model = torch.nn.Linear(numel, 1, bias=False)
+    model(torch.randn(1, numel)).sum().backward()
+    times = []
+    for _ in range(repeats):
+        comm.Barrier()
+        start = time.perf_counter()
+        average(model, comm)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
 # ---------------------------------------------------------------- 03 ring allreduce
@@ -141,85 +195,144 @@ def ring_trial(ring: Callable, n: int, seed: int = 0) -> dict:
     """The learner's ring sum of rank-dependent data, and MPI's own Allreduce of it."""
     from mpi4py import MPI
 
-    comm = _world()
+    comm = world()
     x = np.random.default_rng(seed + comm.rank).standard_normal(n)
     want = x.copy()
     comm.Allreduce(MPI.IN_PLACE, want, op=MPI.SUM)
     counting = CountingComm(comm)
     ring(x, counting)
     return {"got": x, "want": want, "sends": counting.sends(),
-            "collectives": counting.collectives()}
+            "collectives": counting.collectives(), "left": (comm.rank - 1) % comm.size,
+            "right": (comm.rank + 1) % comm.size}
 
 
 # ---------------------------------------------------------------- 04 Gloo from MPI
 
-def gloo_trial(init: Callable, timeout_s: float, blocked_port: int = 29500) -> dict:
-    """Start Gloo with the learner's ``init(comm, timeout_s)`` while ``blocked_port`` is taken.
+def gloo_trial(init: Callable, timeout_s: float) -> dict:
+    """Start Gloo with the learner's ``init(comm, timeout_s)``; what it did, and the group.
 
-    Rank 0 holds the port the source hard-codes, as another user of a shared machine
-    would. Afterwards the group is used once (all_reduce against MPI's Allreduce),
-    its timeout read back, and the group destroyed, so the check can run again.
+    While ``init`` runs, every port the operating system hands to a socket bound to
+    port 0 is noted: the port the group meets at must be one of rank 0's. Afterwards
+    the group sums ``arange(4) * (rank + 1)`` once, its store and timeout are read
+    back, and it is destroyed, so the check can run again.
     """
     import socket
 
     import torch.distributed as dist
-    from mpi4py import MPI
 
-    comm = _world()
+    comm = world()
     if dist.is_initialized():
         dist.destroy_process_group()
-    blocker = socket.socket()
+    chosen: list[int] = []
+    bind = socket.socket.bind
+
+    def noting(sock: socket.socket, address: Any) -> None:
+        bind(sock, address)
+        if isinstance(address, tuple) and len(address) >= 2 and address[1] == 0:
+            chosen.append(sock.getsockname()[1])
+
+    counting = CountingComm(comm)
+    socket.socket.bind = noting
     try:
-        if comm.rank == 0:
-            try:
-                blocker.bind(("", blocked_port))
-                blocker.listen()
-            except OSError:
-                pass  # someone else holds it already: just as good
-        comm.Barrier()
-        where = init(comm, timeout_s)
+        where = init(counting, timeout_s)
+    finally:
+        socket.socket.bind = bind
+    try:
         t = torch.arange(4, dtype=torch.float64) * (comm.rank + 1)
-        want = t.numpy().copy()
-        comm.Allreduce(MPI.IN_PLACE, want, op=MPI.SUM)
         dist.all_reduce(t)
+        store = dist.distributed_c10d._get_default_store()
+        while hasattr(store, "underlying_store"):  # PrefixStores around the TCPStore
+            store = store.underlying_store
         backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-        return {"where": tuple(where) if where is not None else None,
+        return {"where": where if isinstance(where, tuple | list) else None,
+                "returned": type(where).__name__, "os_ports": chosen,
+                "store": (getattr(store, "host", None), getattr(store, "port", None)),
                 "rank": dist.get_rank(), "size": dist.get_world_size(),
-                "mpi": (comm.rank, comm.size), "same_sum": bool(np.array_equal(t, want)),
+                "mpi": (comm.rank, comm.size), "sum": t.numpy(), "calls": counting.calls,
                 "timeout": backend.options._timeout.total_seconds()}
     finally:
-        blocker.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def gloo_sum_reference(size: int) -> np.ndarray:
+    """What all_reduce of arange(4) * (rank + 1) over ``size`` ranks gives."""
+    return np.arange(4, dtype=np.float64) * size * (size + 1) / 2
+
+
 # ---------------------------------------------------------------- 05 broadcast, consistency
 
-def _diverged_model() -> torch.nn.Module:
-    """A model with BatchNorm whose weights *and* running statistics differ per rank."""
-    rank = _world().rank
-    torch.manual_seed(100 + rank)
+def _bn_model(seed: int, shift: float = 0.0, forwards: int = 1) -> torch.nn.Module:
+    """Linear + BatchNorm; ``forwards`` train-mode passes on data shifted by ``shift``."""
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
-    model(torch.randn(16, 3) + rank)  # train-mode forward: rank-dependent running stats
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(forwards):
+        model(torch.randn(16, 3, generator=gen) + shift)
     return model
 
 
-def broadcast_trial(broadcast: Callable | None, spread: Callable | None, root: int) -> dict:
-    """States before and after ``broadcast(model, comm, root)``, and ``spread`` of both.
+def diverged_model(rank: int) -> torch.nn.Module:
+    """Weights, running statistics and batch counts that all differ from rank to rank."""
+    return _bn_model(100 + rank, shift=rank, forwards=rank + 1)
 
-    Without a learner's broadcast, MPI's own Bcast of every tensor stands in.
-    """
-    comm = _world()
-    model = _diverged_model()
-    out: dict = {"before": params(model)}
-    out["spread_before"] = spread(model, comm) if spread else None
-    if broadcast is not None:
-        broadcast(model, comm, root)
-    else:
-        for t in model.state_dict().values():
-            comm.Bcast(t.numpy(), root=root)
-    out["after"] = params(model)
-    out["spread_after"] = spread(model, comm) if spread else None
+
+# running_mean offsets per rank: rank 0 in the middle, so the spread (max - min over
+# ranks) is larger than any rank's distance from rank 0
+BUFFER_SHIFTS = (0.0, 0.75, -0.5, 0.25)
+
+
+def buffers_only_model(rank: int) -> torch.nn.Module:
+    """The same weights on every rank; only the running mean differs."""
+    model = _bn_model(0)
+    with torch.no_grad():
+        model[1].running_mean += BUFFER_SHIFTS[rank % len(BUFFER_SHIFTS)]
+    return model
+
+
+def state_names() -> list[str]:
+    return list(_bn_model(0).state_dict())
+
+
+def broadcast_trial(broadcast: Callable, roots: list[int]) -> list[dict]:
+    """For each root: states before and after ``broadcast(model, comm, root)``, in place or not."""
+    comm = world()
+    out = []
+    for root in roots:
+        model = diverged_model(comm.rank)
+        before, where = params(model), addresses(model)
+        counting = CountingComm(comm)
+        broadcast(model, counting, root)
+        out.append({"root": root, "before": before, "after": params(model),
+                    "in_place": where == addresses(model), "calls": counting.calls})
+    return out
+
+
+def counts_only_model(rank: int) -> torch.nn.Module:
+    """The same floats on every rank; only the (integer) count of batches seen differs."""
+    model = _bn_model(0)
+    model[1].num_batches_tracked += rank
+    return model
+
+
+SPREAD_CASES = ("diverged", "buffers only", "batch counts only", "identical")
+
+
+def spread_trial(spread: Callable) -> dict:
+    """The learner's ``spread(model, comm)`` of four models, and whether it left them alone."""
+    comm = world()
+    models = {"diverged": diverged_model(comm.rank),
+              "buffers only": buffers_only_model(comm.rank),
+              "batch counts only": counts_only_model(comm.rank),
+              "identical": _bn_model(0)}
+    out = {}
+    for case, model in models.items():
+        before, where = params(model), addresses(model)
+        value = spread(model, CountingComm(comm))
+        after = params(model)
+        untouched = where == addresses(model) and all(
+            torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        out[case] = {"before": before, "value": float(value), "untouched": untouched}
     return out
 
 
@@ -232,28 +345,23 @@ def spread_reference(states: list[list[torch.Tensor]]) -> float:
     return spread
 
 
-def broadcast_names() -> list[str]:
-    torch.manual_seed(0)
-    return list(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).state_dict())
-
-
 # ---------------------------------------------------------------- 07 periodic averaging
 
 def average_params_trial(average: Callable) -> dict:
     """Rank-dependent weights before, and after the learner's ``average(model, comm)``."""
-    comm = _world()
+    comm = world()
     model = make_model(seed=10 + comm.rank)
-    before = params(model)
-    average(model, comm)
-    return {"before": before, "after": params(model)}
+    before, where = params(model), addresses(model)
+    average(model, CountingComm(comm))
+    return {"before": before, "after": params(model), "in_place": where == addresses(model)}
 
 
 def local_sgd_trial(local_sgd: Callable, steps: int, period: int, lr: float = 0.1) -> list:
     """Final parameters after the learner's ``local_sgd`` on this rank's shard."""
-    comm = _world()
+    comm = world()
     model = make_model()
     x, y = shard_of(make_data(), comm.rank, comm.size)
-    local_sgd(model, x, y, comm, steps=steps, period=period, lr=lr)
+    local_sgd(model, x, y, CountingComm(comm), steps=steps, period=period, lr=lr)
     return params(model)
 
 
@@ -269,9 +377,7 @@ def local_sgd_reference(size: int, steps: int, period: int, lr: float = 0.1) -> 
         for model, (x, y) in zip(models, shards, strict=True):
             model.zero_grad()
             loss_of(model, x, y).backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= lr * p.grad
+            sgd_step(model, lr)
         if step % period == 0:
             with torch.no_grad():
                 for ps in zip(*(m.parameters() for m in models), strict=True):

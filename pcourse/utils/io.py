@@ -4,25 +4,39 @@ Benchmarks run for minutes and may be interrupted; a CSV that half-exists is wor
 than none, because a later plot would silently use it. So every results file is
 written to a temporary file in the same folder and moved into place with
 ``os.replace``, which is atomic on POSIX and Windows.
+
+A writer killed mid-write cannot remove its temporary file, so each one is named
+after its writer (``.results.csv.<pid>@<host>.<random>.tmp``) and every later write
+to the folder removes those whose writer is gone. Files are created as ``open``
+creates them, so they get the user's umask, not the 0600 of ``mkstemp``.
 """
 
 from __future__ import annotations
 
 import csv
 import os
-import tempfile
-from collections.abc import Iterable, Mapping
+import re
+import secrets
+import socket
+import time
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+# A temporary file older than this is stale even when its writer cannot be checked
+# (another host on a shared file system): no results file takes a day to write.
+STALE_AFTER = 24 * 3600.0
+_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)@(?P<host>[^@/]+)\.[0-9a-f]{8}\.tmp$")
+
 
 @contextmanager
-def atomic_write(path: str | os.PathLike[str], mode: str = "w", **kwargs: Any):
+def atomic_write(path: str | os.PathLike[str], mode: str = "w", **kwargs: Any) -> Iterator[IO]:
     """Open a temporary file beside ``path``; on success, move it onto ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    sweep_temp_files(path.parent)
+    tmp, fd = _create_temp(path)
     try:
         with os.fdopen(fd, mode, **kwargs) as f:
             yield f
@@ -30,8 +44,64 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w", **kwargs: Any):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def _create_temp(path: Path) -> tuple[Path, int]:
+    """A new file beside ``path``, named after this process, mode 0666 less the umask."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    owner = f"{os.getpid()}@{socket.gethostname()}"
+    while True:
+        tmp = path.with_name(f".{path.name}.{owner}.{secrets.token_hex(4)}.tmp")
+        try:
+            return tmp, os.open(tmp, flags, 0o666)
+        except FileExistsError:  # 32 random bits taken: draw again
+            continue
+
+
+def sweep_temp_files(
+    folder: str | os.PathLike[str], stale_after: float = STALE_AFTER
+) -> list[Path]:
+    """Remove this module's temporary files in ``folder`` that no write will finish.
+
+    Only files named as :func:`atomic_write` names them, and only those whose writer
+    (a process on this host) has exited, or that are older than ``stale_after``
+    seconds. Returns what was removed.
+    """
+    here, now, removed = socket.gethostname(), time.time(), []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _TEMP.match(entry.name)
+        if match is None or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            age = now - entry.stat(follow_symlinks=False).st_mtime
+        except OSError:  # removed meanwhile
+            continue
+        orphaned = match["host"] == here and not _alive(int(match["pid"]))
+        if orphaned or age > stale_after:
+            try:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+            except OSError:
+                pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # another thread of ours may be writing it right now
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write_csv(

@@ -1,0 +1,82 @@
+"""Nothing outlives the notebook or script that started a cluster, however it ends.
+
+Every process of a cluster (controller, its schedulers, mpiexec, engines and their
+nannies) carries ``PCOURSE_CLUSTER=<its folder>`` in its environment, inherited even
+by processes that leave their parent's process group. :func:`kill_marked` ends
+exactly those, and nobody else's.
+
+A normal exit stops the cluster through ``atexit``. A kernel that is killed
+(``kill -9``, SIGTERM, an out-of-memory kill) runs no Python at all, so
+``start_cluster`` also starts this module as a small watcher process: when its
+parent, the owner, is gone, it ends the cluster and deletes its folder (connection
+files and logs). It leaves as soon as the folder is gone, which is how a normal
+``stop_cluster`` ends it.
+
+Run as ``python -m pcourse.cluster.reaper OWNER_PID FOLDER``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+
+import psutil
+
+MARK = "PCOURSE_CLUSTER"
+POLL = 0.25  # seconds between looks at the owner
+
+
+def marked(folder: str) -> list[psutil.Process]:
+    """The running processes whose environment marks them as the cluster in ``folder``."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and proc.environ().get(MARK) == folder:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def kill_marked(folder: str, grace: float = 1.0) -> None:
+    """End the cluster in ``folder``: SIGTERM to each of its processes, SIGKILL after ``grace``.
+
+    SIGTERM first so that mpiexec passes it on to the ranks it started (on other
+    nodes too); SIGKILL for whatever is blocked or ignores it.
+    """
+    procs = marked(folder)
+    for proc in procs:
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for proc in alive + marked(folder):  # and any started meanwhile
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+
+
+def end_cluster(folder: str) -> None:
+    """Kill the cluster's processes, then delete its folder."""
+    kill_marked(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def watch(owner: int, folder: str) -> None:
+    """Wait until the owner is gone (then end the cluster) or the folder is (then leave)."""
+    while os.path.isdir(folder):
+        if os.getppid() != owner:  # re-parented: the owner has died
+            end_cluster(folder)
+            return
+        time.sleep(POLL)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the owner's fate decides
+    watch(int(sys.argv[1]), sys.argv[2])

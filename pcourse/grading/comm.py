@@ -1,0 +1,378 @@
+"""What a learner's function meets on the engines during a check: a communicator of a
+chosen size that records every call and never hangs.
+
+Three things make a check honest about MPI code, and they live here:
+
+- **Any world size from one cluster.** :func:`on_ranks` runs a trial on a
+  sub-communicator of ``ranks`` engines, numbered in *reverse* world order, so a
+  check at 2 ranks and one at 3 share one cluster of 3 engines, and code that
+  quietly uses ``MPI.COMM_WORLD`` instead of the ``comm`` it was given gets the
+  wrong ranks and shows it.
+- **Blocking sends that really block.** MPI lets ``Send`` return before the
+  matching ``Recv`` is posted when the message is small (the eager limit), so a
+  ring where every rank sends first works in a test with 1000 numbers and
+  deadlocks in training. :class:`CountingComm` sends with ``Issend``, which
+  completes only once the receive has started: the standard's guarantee, at any
+  message size, so such a ring fails every time.
+- **A deadline on every wait.** Each blocking call is made as its nonblocking twin
+  and polled until :data:`OP_TIMEOUT`; a rank that waits longer raises
+  :class:`DeadlockError` saying what it waited for, instead of leaving the engines
+  stuck for the next check (and, in a class, for the next learner).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+OP_TIMEOUT = 5.0  # seconds one MPI call may wait for its partners: more than a correct one needs
+
+_HERE = str(Path(__file__).resolve().parent)
+
+
+class Call(NamedTuple):
+    """One communicator call, as a check sees it."""
+
+    name: str  # the method called, e.g. "Sendrecv"
+    count: int  # numbers in the buffer it sent (or received, for a receive)
+    peer: int | None  # dest of a send, source of a receive, root of a rooted collective
+
+
+class DeadlockError(RuntimeError):
+    """An MPI call waited longer than any correct program would."""
+
+
+SENDS = ("Send", "Ssend", "Isend", "Issend", "Sendrecv", "Sendrecv_replace",
+         "send", "ssend", "isend", "issend", "sendrecv")
+RECEIVES = ("Recv", "Irecv", "recv", "irecv")
+BUFFER_COLLECTIVES = ("Allreduce", "Bcast", "Reduce", "Allgather", "Allgatherv", "Gather",
+                      "Gatherv", "Scatter", "Scatterv", "Alltoall", "Alltoallv", "Reduce_scatter",
+                      "Reduce_scatter_block", "Scan", "Exscan", "Barrier")
+OBJECT_COLLECTIVES = ("allreduce", "bcast", "reduce", "allgather", "gather", "scatter",
+                      "alltoall", "barrier")
+NONBLOCKING_COLLECTIVES = tuple("I" + n[0].lower() + n[1:] for n in BUFFER_COLLECTIVES)
+COLLECTIVES = BUFFER_COLLECTIVES + OBJECT_COLLECTIVES + NONBLOCKING_COLLECTIVES
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI
+
+    return MPI
+
+
+class CountingComm:
+    """An mpi4py communicator that records every call and gives up on a deadlock.
+
+    Everything else (``rank``, ``size``, ``Get_rank``, ...) passes through to the
+    real communicator.
+    """
+
+    def __init__(self, comm: Any, timeout: float = OP_TIMEOUT) -> None:
+        self._comm = comm
+        self._timeout = timeout
+        self.calls: list[Call] = []
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._comm, name)
+        handler = _HANDLERS.get(name)
+        if handler is not None:
+            return lambda *args, **kwargs: handler(self, name, *args, **kwargs)
+        if name in SENDS + RECEIVES + COLLECTIVES:  # nonblocking: record, then call as is
+            def recorded(*args: Any, **kwargs: Any) -> Any:
+                self._record(name, args, kwargs)
+                return target(*args, **kwargs)
+            return recorded
+        return target
+
+    def collectives(self) -> list[Call]:
+        return [c for c in self.calls if c.name in COLLECTIVES]
+
+    def sends(self) -> list[Call]:
+        """Calls that send data to one other rank (receives excluded)."""
+        return [c for c in self.calls if c.name in SENDS]
+
+    # ------------------------------------------------------------ recording and waiting
+
+    def _record(self, name: str, args: tuple, kwargs: dict) -> None:
+        buf = args[0] if args else next(iter(kwargs.values()), None)
+        if buf is _mpi().IN_PLACE and len(args) > 1:
+            buf = args[1]  # Allreduce(MPI.IN_PLACE, buf): the data is the receive buffer
+        if name in SENDS:
+            peer = _arg(args, kwargs, 1, "dest")
+        elif name in RECEIVES:
+            peer = _arg(args, kwargs, 1, "source")
+        else:
+            peer = kwargs.get("root")
+        self.calls.append(Call(name, _elements(buf), peer))
+
+    def _wait(self, request: Any, what: str, hint: str, status: Any = None) -> None:
+        _poll(request, status, self._timeout, f"comm.{what} on rank {self._comm.rank}", hint)
+
+    def _wait_until(self, ready: Callable[[], bool], what: str, hint: str) -> None:
+        deadline = time.monotonic() + self._timeout
+        while not ready():
+            if time.monotonic() > deadline:
+                raise DeadlockError(f"comm.{what} on rank {self._comm.rank} waited "
+                                    f"{self._timeout:g} s and never completed. {hint}")
+            time.sleep(0.0005)
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _poll(request: Any, status: Any, timeout: float, what: str, hint: str) -> None:
+    """Test ``request`` until it completes; past ``timeout`` s, raise DeadlockError."""
+    deadline = time.monotonic() + timeout
+    polls = 0
+    while not (request.Test(status) if status is not None else request.Test()):
+        if time.monotonic() > deadline:
+            try:
+                request.Cancel()  # a receive is withdrawn; a send may stay pending
+            except Exception:  # noqa: BLE001 - the error below is what matters
+                pass
+            raise DeadlockError(f"{what} waited {timeout:g} s and never completed. {hint}")
+        polls += 1
+        if polls > 200:  # spin briefly (fast partners), then let the other ranks run
+            time.sleep(0.0005)
+
+
+_guarded_request: type | None = None
+
+
+def _guarded(request: Any, timeout: float, what: str) -> Any:
+    """``request`` (of a nonblocking send) whose Wait gives up after ``timeout`` s.
+
+    A subclass of MPI.Request, so MPI.Request.Waitall and friends still take it.
+    """
+    global _guarded_request
+    if _guarded_request is None:
+        class GuardedRequest(_mpi().Request):
+            def Wait(self, status: Any = None) -> bool:
+                _poll(self, status, self.timeout, self.what, SEND_HINT)
+                return True
+
+            def wait(self, status: Any = None) -> None:
+                self.Wait(status)
+
+        _guarded_request = GuardedRequest
+    guarded = _guarded_request(request)
+    guarded.timeout, guarded.what, guarded.original = timeout, what, request  # keeps its buffer
+    return guarded
+
+
+SEND_HINT = ("A send may wait until the matching receive has been posted (MPI guarantees "
+             "no more, and large messages always wait), so ranks that all send before they "
+             "receive wait for each other forever: a deadlock. Use comm.Sendrecv, which sends "
+             "and receives at once.")
+RECV_HINT = ("No matching message arrived: does that rank send it, with this tag, and does "
+             "it not wait for this rank first?")
+COLLECTIVE_HINT = ("The other ranks never joined it: every rank must call the same "
+                   "collectives, in the same order, with the same root.")
+
+
+def _any(source: int | None, tag: int | None) -> tuple[int, int]:
+    """mpi4py's defaults for an omitted source and tag (None here: -1 is PROC_NULL in MPICH)."""
+    MPI = _mpi()
+    return (MPI.ANY_SOURCE if source is None else source,
+            MPI.ANY_TAG if tag is None else tag)
+
+
+def _send(self: CountingComm, name: str, buf: Any, dest: int, tag: int = 0) -> None:
+    self._record(name, (buf, dest), {})
+    self._wait(self._comm.Issend(buf, dest, tag), f"{name} to rank {dest}", SEND_HINT)
+
+
+def _isend(self: CountingComm, name: str, buf: Any, dest: int, tag: int = 0) -> Any:
+    self._record(name, (buf, dest), {})
+    return _guarded(self._comm.Issend(buf, dest, tag), self._timeout,
+                    f"the Wait for comm.{name} to rank {dest} on rank {self._comm.rank}")
+
+
+def _recv(self: CountingComm, name: str, buf: Any, source: int | None = None,
+          tag: int | None = None, status: Any = None) -> None:
+    source, tag = _any(source, tag)
+    self._record(name, (buf, source), {})
+    self._wait(self._comm.Irecv(buf, source, tag), f"{name} from rank {source}", RECV_HINT,
+               status)
+
+
+def _sendrecv(self: CountingComm, name: str, sendbuf: Any, dest: int, sendtag: int = 0,
+              recvbuf: Any = None, source: int | None = None, recvtag: int | None = None,
+              status: Any = None) -> None:
+    source, recvtag = _any(source, recvtag)
+    self._record(name, (sendbuf, dest), {})
+    request = self._comm.Isendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag)
+    self._wait(request, f"{name} to rank {dest} from rank {source}", RECV_HINT, status)
+
+
+def _sendrecv_replace(self: CountingComm, name: str, buf: Any, dest: int, sendtag: int = 0,
+                      source: int | None = None, recvtag: int | None = None,
+                      status: Any = None) -> None:
+    source, recvtag = _any(source, recvtag)
+    self._record(name, (buf, dest), {})
+    request = self._comm.Isendrecv_replace(buf, dest, sendtag, source, recvtag)
+    self._wait(request, f"{name} to rank {dest} from rank {source}", RECV_HINT, status)
+
+
+def _send_object(self: CountingComm, name: str, obj: Any, dest: int, tag: int = 0) -> None:
+    self._record(name, (obj, dest), {})
+    self._wait(self._comm.issend(obj, dest, tag), f"{name} to rank {dest}", SEND_HINT)
+
+
+def _isend_object(self: CountingComm, name: str, obj: Any, dest: int, tag: int = 0) -> Any:
+    self._record(name, (obj, dest), {})
+    return _guarded(self._comm.issend(obj, dest, tag), self._timeout,
+                    f"the wait for comm.{name} to rank {dest} on rank {self._comm.rank}")
+
+
+def _recv_object(self: CountingComm, name: str, buf: Any = None, source: int | None = None,
+                 tag: int | None = None, status: Any = None) -> Any:
+    source, tag = _any(source, tag)
+    self._record(name, (buf, source), {})
+    self._wait_until(lambda: self._comm.iprobe(source, tag), f"{name} from rank {source}",
+                     RECV_HINT)
+    return self._comm.recv(buf, source, tag, status)
+
+
+def _sendrecv_object(self: CountingComm, name: str, sendobj: Any, dest: int, sendtag: int = 0,
+                     recvbuf: Any = None, source: int | None = None, recvtag: int | None = None,
+                     status: Any = None) -> Any:
+    source, recvtag = _any(source, recvtag)
+    self._record(name, (sendobj, dest), {})
+    request = self._comm.isend(sendobj, dest, sendtag)
+    self._wait_until(lambda: self._comm.iprobe(source, recvtag),
+                     f"{name} to rank {dest} from rank {source}", RECV_HINT)
+    received = self._comm.recv(recvbuf, source, recvtag, status)
+    self._wait(request, f"{name} to rank {dest}", SEND_HINT)
+    return received
+
+
+def _buffer_collective(self: CountingComm, name: str, *args: Any, **kwargs: Any) -> None:
+    self._record(name, args, kwargs)
+    nonblocking = getattr(self._comm, "I" + name[0].lower() + name[1:])
+    self._wait(nonblocking(*args, **kwargs), name, COLLECTIVE_HINT)
+
+
+def _object_collective(self: CountingComm, name: str, *args: Any, **kwargs: Any) -> Any:
+    """Wait (with the deadline) until every rank has arrived, then make the call."""
+    self._record(name, args, kwargs)
+    self._wait(self._comm.Ibarrier(), name, COLLECTIVE_HINT)
+    return getattr(self._comm, name)(*args, **kwargs)
+
+
+_HANDLERS: dict[str, Callable[..., Any]] = {
+    "Send": _send, "Ssend": _send, "Isend": _isend, "Issend": _isend, "Recv": _recv,
+    "Sendrecv": _sendrecv, "Sendrecv_replace": _sendrecv_replace,
+    "send": _send_object, "ssend": _send_object, "isend": _isend_object,
+    "issend": _isend_object, "recv": _recv_object, "sendrecv": _sendrecv_object,
+    **{name: _buffer_collective for name in BUFFER_COLLECTIVES},
+    **{name: _object_collective for name in OBJECT_COLLECTIVES},
+}
+
+
+def _elements(buf: Any) -> int:
+    """How many numbers a buffer argument holds (1 for a scalar or a Python object)."""
+    if isinstance(buf, list | tuple) and buf and hasattr(buf[0], "size"):
+        buf = buf[0]  # mpi4py's [array, MPI type] form
+    size = getattr(buf, "size", None)
+    if callable(size):  # a torch tensor
+        return int(buf.numel())
+    if isinstance(size, int):  # a numpy array
+        return size
+    return 1
+
+
+# ---------------------------------------------------------------- trials on a sub-world
+
+_subs: dict[int, Any] = {}  # ranks -> this engine's sub-communicator (COMM_NULL if outside)
+_current: Any = None  # the communicator of the trial running now
+
+
+def world() -> Any:
+    """The communicator of the running trial (MPI.COMM_WORLD outside a trial)."""
+    return _current if _current is not None else _mpi().COMM_WORLD
+
+
+def world_rank() -> int:
+    return _mpi().COMM_WORLD.rank
+
+
+def subworld(ranks: int) -> Any:
+    """The last ``ranks`` world ranks, numbered in reverse (collective; cached).
+
+    Reversed, so that a sub-rank is never the world rank of the same process.
+    """
+    if ranks not in _subs:
+        MPI = _mpi()
+        w = MPI.COMM_WORLD
+        if not 1 <= ranks <= w.size:
+            raise ValueError(f"cannot check at {ranks} ranks with {w.size} engines")
+        inside = w.rank >= w.size - ranks
+        _subs[ranks] = w.Split(0 if inside else MPI.UNDEFINED, key=w.size - w.rank)
+    return _subs[ranks]
+
+
+def on_ranks(ranks: int, fn: Callable, args: tuple, kwargs: dict) -> dict | None:
+    """Run ``fn(*args, **kwargs)`` as one rank of a ``ranks``-rank world (on every engine).
+
+    Returns None on engines outside that world, else ``{"rank", "value"}`` or, when
+    ``fn`` raised, ``{"rank", "error": (name, message, traceback)}``: the kernel
+    then knows which rank failed without unpicking ipyparallel's errors.
+    """
+    global _current
+    sub = subworld(ranks)
+    if sub == _mpi().COMM_NULL:
+        return None
+    comm = sub.Dup()  # a fresh context: messages a failed trial left behind cannot match
+    rank, _current = comm.rank, comm
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - SystemExit too: it is the learner's error
+        return {"rank": rank, "error": (type(exc).__name__, str(exc), _learner_tb(exc))}
+    finally:
+        _current = None
+    comm.Free()  # only when nothing is pending on it
+    return {"rank": rank, "value": value}
+
+
+def _learner_tb(exc: BaseException, frames: int = 6) -> str:
+    """The traceback's last frames outside this package: where the learner's code failed."""
+    stack = [f for f in traceback.extract_tb(exc.__traceback__)
+             if not f.filename.startswith(_HERE)]
+    lines = [f"  in {f.name}, line {f.lineno}" + (f": {f.line.strip()}" if f.line else "")
+             for f in stack[-frames:]]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- between notebooks
+
+_environ = dict(os.environ)
+
+
+def health(timeout: float = 5.0) -> bool:
+    """Do all engines still answer, together, through MPI? (Run on every engine.)"""
+    MPI = _mpi()
+    checker = CountingComm(MPI.COMM_WORLD, timeout=timeout)
+    try:
+        checker.Barrier()
+    except DeadlockError:
+        return False
+    return True
+
+
+def reset() -> None:
+    """Undo what one learner's code may have left on a reused engine."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    os.environ.clear()
+    os.environ.update(_environ)

@@ -1,0 +1,524 @@
+"""The project's own wrong answers to the graded exercises: every one must be rejected.
+
+Each entry is what a learner might plausibly hand in, by kind:
+
+- ``size``: right at 2 ranks, wrong at another (a hard-coded world size, a ring
+  that turns the wrong way: left and right are one rank at p = 2);
+- ``point``: misses what the exercise teaches while looking done (buffers
+  forgotten, a fixed port, a model overwritten by a measurement, grad None);
+- ``deadlock``: ranks that wait for each other forever (a blocking send first);
+- ``saved``: a notebook saved with forged or failing check outputs;
+- ``tampered``: check cells edited, cells moved or removed, tags changed, or
+  learner code that rebinds what the checks use.
+
+An entry is ``Wrong(kind, codes, mention, edit)``: ``codes`` fill the exercise's
+YOUR CODE regions in order (``RIGHT`` keeps the solution's code for that region),
+``edit`` changes the notebook afterwards (see the helpers below), and ``mention``
+is a piece of text the grader's reason must contain: proof that it failed for the
+reason meant, not by accident.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import nbformat
+
+RIGHT = None  # in Wrong.codes: this region keeps the solution's code
+UNSOLVED = ...  # in Wrong.codes: this region keeps the exercise's stub
+
+
+@dataclass
+class Wrong:
+    kind: str
+    codes: list
+    mention: str
+    edit: Callable[[nbformat.NotebookNode, nbformat.NotebookNode], None] | None = None
+
+
+# ---------------------------------------------------------------- notebook edits
+
+def _checks(nb: nbformat.NotebookNode) -> list:
+    return [c for c in nb.cells if "check" in c.metadata.get("tags", [])]
+
+
+def _learner(nb: nbformat.NotebookNode) -> list:
+    return [c for c in nb.cells if "exercise" in c.metadata.get("tags", [])]
+
+
+def saved(word: str) -> Callable:
+    """Every check cell carries a stored output, the solution's line with PASS -> ``word``."""
+    def edit(nb: nbformat.NotebookNode, solution: nbformat.NotebookNode) -> None:
+        for mine, theirs in zip(_checks(nb), _checks(solution), strict=True):
+            text = theirs.outputs[0]["text"].replace(": PASS", f": {word}")
+            mine.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text)]
+            mine.execution_count = theirs.execution_count
+    return edit
+
+
+def check_prints_pass(k: int) -> Callable:
+    """The k-th check cell replaced by a print of the line the solution printed."""
+    def edit(nb: nbformat.NotebookNode, solution: nbformat.NotebookNode) -> None:
+        line = _checks(solution)[k].outputs[0]["text"].strip()
+        _checks(nb)[k].source = f"print({line!r})"
+    return edit
+
+
+def every_check_prints_pass(nb: nbformat.NotebookNode, solution: nbformat.NotebookNode) -> None:
+    for k in range(len(_checks(nb))):
+        check_prints_pass(k)(nb, solution)
+
+
+def learner_adds(code: str) -> Callable:
+    """Top-level code appended to the (first) learner cell."""
+    def edit(nb: nbformat.NotebookNode, solution: nbformat.NotebookNode) -> None:
+        _learner(nb)[0].source += "\n\n" + code
+    return edit
+
+
+def drop_check(k: int) -> Callable:
+    def edit(nb: nbformat.NotebookNode, solution: nbformat.NotebookNode) -> None:
+        nb.cells.remove(_checks(nb)[k])
+    return edit
+
+
+def untag_check(k: int) -> Callable:
+    def edit(nb: nbformat.NotebookNode, solution: nbformat.NotebookNode) -> None:
+        _checks(nb)[k].metadata["tags"] = []
+    return edit
+
+
+def check_tagged_exercise(k: int) -> Callable:
+    """A check cell re-tagged as the learner's, its body replaced: the learner's to write?"""
+    def edit(nb: nbformat.NotebookNode, solution: nbformat.NotebookNode) -> None:
+        cell = _checks(nb)[k]
+        cell.metadata["tags"] = ["exercise", "nbval-ignore-output"]
+        cell.source = f"print({_checks(solution)[k].outputs[0]['text'].strip()!r})"
+    return edit
+
+
+def learner_after_checks(nb: nbformat.NotebookNode, solution: nbformat.NotebookNode) -> None:
+    cell = _learner(nb)[0]
+    nb.cells.remove(cell)
+    nb.cells.insert(nb.cells.index(_checks(nb)[-1]) + 1, cell)
+
+
+def extra_cell(code: str) -> Callable:
+    """A code cell added just before the first check."""
+    def edit(nb: nbformat.NotebookNode, solution: nbformat.NotebookNode) -> None:
+        nb.cells.insert(nb.cells.index(_checks(nb)[0]), nbformat.v4.new_code_cell(code))
+    return edit
+
+
+# ---------------------------------------------------------------- the wrong answers
+
+PARTITION_PER_2 = """
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+    per = n // 2
+    return order[rank * per:(rank + 1) * per].tolist()"""
+
+RING_LEFT = """
+    chunks = np.array_split(x, p)
+    for s in range(p - 1):
+        send, recv = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+        incoming = np.empty_like(recv)
+        comm.Sendrecv(send, dest=left, recvbuf=incoming, source=right)
+        recv += incoming
+    for s in range(p - 1):
+        send, recv = chunks[(rank - s + 1) % p], chunks[(rank - s) % p]
+        comm.Sendrecv(send, dest=left, recvbuf=recv, source=right)"""
+
+GLOO_WITH = """
+    where = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            where = s.getsockname()
+    addr, port = comm.bcast(where, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://{{addr}}:{{port}}", rank={rank},
+                            world_size={size}, timeout={timeout})
+    return {ret}"""
+
+
+def gloo(rank: str = "comm.rank", size: str = "comm.size",
+         timeout: str = "timedelta(seconds=timeout_s)", ret: str = "addr, port") -> str:
+    return GLOO_WITH.format(rank=rank, size=size, timeout=timeout, ret=ret)
+
+
+BUCKET = """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    bucket = torch.cat([g.reshape(-1) for g in grads])
+    comm.Allreduce(MPI.IN_PLACE, bucket.numpy(), op=MPI.SUM)
+    bucket /= {divisor}
+    offset = 0
+    for g in {order}:
+        g.copy_(bucket[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()"""
+
+WRONG: dict[str, dict[str, Wrong]] = {
+    "01_partitioner": {
+        "n // 2: the world size hard-coded": Wrong("size", [PARTITION_PER_2], "at 3 ranks"),
+        "a different shuffle seed on each rank": Wrong("point", ["""
+            gen = torch.Generator().manual_seed(seed + epoch + rank)
+            order = torch.randperm(n, generator=gen)
+            per = n // size
+            return order[rank * per:(rank + 1) * per].tolist()"""], "check 1/4"),
+        "remainder spread over the ranks (ceil)": Wrong("point", ["""
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+            per = -(-n // size)
+            return order[rank * per:(rank + 1) * per].tolist()"""], "n // size"),
+        "the epoch ignored": Wrong("point", ["""
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+            per = n // size
+            return order[rank * per:(rank + 1) * per].tolist()"""], "check 3/4"),
+        "dealt out strided, not in segments": Wrong("point", ["""
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+            per = n // size
+            return order[rank::size][:per].tolist()"""], "check 2/4"),
+        "the global generator reseeded": Wrong("point", ["""
+            torch.manual_seed(seed + epoch)
+            order = torch.randperm(n)
+            per = n // size
+            return order[rank * per:(rank + 1) * per].tolist()"""], "global random state"),
+        "numpy's shuffle instead of torch's": Wrong("point", ["""
+            order = np.random.default_rng(seed + epoch).permutation(n)
+            per = n // size
+            return [int(i) for i in order[rank * per:(rank + 1) * per]]"""], "check 2/4"),
+        "n // 2, saved with PASS under every check": Wrong(
+            "saved", [PARTITION_PER_2], "at 3 ranks", saved("PASS")),
+        "unsolved, every check cell replaced by its PASS line": Wrong(
+            "tampered", [UNSOLVED], "not solved yet", every_check_prints_pass),
+        "verdict redefined to always pass": Wrong("tampered", [RIGHT], "rebinds `verdict`",
+                                                  learner_adds(
+            "def verdict(i, n, what, problem):\n    print(f'check {i}/{n} {what}: PASS')")),
+    },
+    "02_average_gradients": {
+        "divided by 2, not by the world size": Wrong("size", [RIGHT, """
+            for p in model.parameters():
+                if p.grad is not None:
+                    comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
+                    p.grad /= 2"""], "at 3 ranks"),
+        "divided by 2, saved with PASS under every check": Wrong("saved", [RIGHT, """
+            for p in model.parameters():
+                if p.grad is not None:
+                    comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
+                    p.grad /= 2"""], "at 3 ranks", saved("PASS")),
+        "forgot to divide by the world size": Wrong("point", ["""
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad = comm.allreduce(p.grad, op=MPI.SUM)""", RIGHT], "2 times"),
+        "Allreduce of a copy, gradient untouched": Wrong("point", [RIGHT, """
+            for p in model.parameters():
+                if p.grad is not None:
+                    comm.Allreduce(MPI.IN_PLACE, p.grad.numpy().copy(), op=MPI.SUM)
+                    p.grad /= comm.size"""], "check 2/4"),
+        "crashes on a frozen parameter (grad None)": Wrong("point", ["""
+            for p in model.parameters():
+                p.grad = comm.allreduce(p.grad, op=MPI.SUM) / comm.size""", """
+            for p in model.parameters():
+                comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
+                p.grad /= comm.size"""], "check 4/4"),
+        "zeros for a missing gradient": Wrong("point", [RIGHT, """
+            for p in model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
+                p.grad /= comm.size"""], "check 4/4"),
+        "buffer version replaces the gradient tensor": Wrong("point", [RIGHT, """
+            for p in model.parameters():
+                if p.grad is not None:
+                    total = np.empty_like(p.grad.numpy())
+                    comm.Allreduce(p.grad.numpy(), total, op=MPI.SUM)
+                    p.grad = torch.from_numpy(total) / comm.size"""], "check 3/4"),
+        "pickle allreduce in the buffer version": Wrong("point", [RIGHT, """
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.copy_(comm.allreduce(p.grad, op=MPI.SUM) / comm.size)"""],
+                                                "check 2/4"),
+        "MPI.COMM_WORLD instead of the comm given": Wrong("size", ["""
+            world = MPI.COMM_WORLD
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad = world.allreduce(p.grad, op=MPI.SUM) / world.size""", RIGHT],
+                                                          "check 1/4"),
+        "only rank 0 reduces: the others never join": Wrong("deadlock", [RIGHT, """
+            for p in model.parameters():
+                if p.grad is not None and comm.rank == 0:
+                    comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
+                    p.grad /= comm.size"""], "check 2/4"),
+        "tensors_differ replaced by one that finds nothing": Wrong(
+            "tampered", [RIGHT, UNSOLVED], "rebinds `tensors_differ`",
+            learner_adds("tensors_differ = lambda *args, **kwargs: None")),
+    },
+    "03_ring_allreduce": {
+        "blocking Send before Recv": Wrong("deadlock", ["""
+            chunks = np.array_split(x, p)
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+                incoming = np.empty_like(recv)
+                comm.Send(send, dest=right)
+                comm.Recv(incoming, source=left)
+                recv += incoming
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s + 1) % p], chunks[(rank - s) % p]
+                comm.Send(send, dest=right)
+                comm.Recv(recv, source=left)"""], "deadlock"),
+        "sends left, indices for a right-turning ring": Wrong("size", [RING_LEFT], "at 3 ranks"),
+        "off by one in the allgather chunks": Wrong("point", ["""
+            chunks = np.array_split(x, p)
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+                incoming = np.empty_like(recv)
+                comm.Sendrecv(send, dest=right, recvbuf=incoming, source=left)
+                recv += incoming
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+                comm.Sendrecv(send, dest=right, recvbuf=recv, source=left)"""], "check 1/3"),
+        "equal chunks of n // p, remainder forgotten": Wrong("point", ["""
+            c = len(x) // p
+            chunks = [x[i * c:(i + 1) * c] for i in range(p)]
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+                incoming = np.empty_like(recv)
+                comm.Sendrecv(send, dest=right, recvbuf=incoming, source=left)
+                recv += incoming
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s + 1) % p], chunks[(rank - s) % p]
+                comm.Sendrecv(send, dest=right, recvbuf=recv, source=left)"""], "at 3 ranks"),
+        "whole buffers swapped once (right at p = 2)": Wrong("size", ["""
+            incoming = np.empty_like(x)
+            comm.Sendrecv(x.copy(), dest=right, recvbuf=incoming, source=left)
+            x += incoming"""], "at 3 ranks"),
+        "MPI's own Allreduce": Wrong("point", ["""
+            comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)"""], "a collective"),
+        "direct exchange with every rank, not a ring": Wrong("point", ["""
+            chunks = np.array_split(x, p)
+            for s in range(1, p):
+                to, frm = (rank + s) % p, (rank - s) % p
+                incoming = np.empty_like(chunks[rank])
+                comm.Sendrecv(chunks[to], dest=to, recvbuf=incoming, source=frm)
+                chunks[rank] += incoming
+            for s in range(1, p):
+                to, frm = (rank + s) % p, (rank - s) % p
+                comm.Sendrecv(chunks[rank], dest=to, recvbuf=chunks[frm], source=frm)"""],
+                                                            "one neighbour"),
+        "Isend waited on before the Recv": Wrong("deadlock", ["""
+            chunks = np.array_split(x, p)
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+                incoming = np.empty_like(recv)
+                comm.Isend(send, dest=right).Wait()
+                comm.Recv(incoming, source=left)
+                recv += incoming
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s + 1) % p], chunks[(rank - s) % p]
+                comm.Isend(send, dest=right).Wait()
+                comm.Recv(recv, source=left)"""], "deadlock"),
+        "ring turning left, saved with FAIL outputs": Wrong(
+            "saved", [RING_LEFT], "at 3 ranks", saved("FAIL: at 2 ranks")),
+        "the learner cell moved below the checks": Wrong(
+            "tampered", [RIGHT], "moved", learner_after_checks),
+        "a check cell untagged": Wrong("tampered", [RING_LEFT], "tags", untag_check(2)),
+    },
+    "04_gloo_bootstrap": {
+        "the source's hard-coded port 29500": Wrong("point", ["""
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29500",
+                                    rank=comm.rank, world_size=comm.size,
+                                    timeout=timedelta(seconds=timeout_s))
+            return "127.0.0.1", 29500"""], "check 1/3"),
+        "another fixed port, broadcast over MPI": Wrong("point", ["""
+            where = ("127.0.0.1", 29517) if comm.rank == 0 else None
+            addr, port = comm.bcast(where, root=0)
+            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank,
+                                    world_size=comm.size, timeout=timedelta(seconds=timeout_s))
+            return addr, port"""], "operating system"),
+        "a random port instead of the OS's": Wrong("point", ["""
+            import random
+            where = ("127.0.0.1", random.randint(20000, 60000)) if comm.rank == 0 else None
+            addr, port = comm.bcast(where, root=0)
+            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank,
+                                    world_size=comm.size, timeout=timedelta(seconds=timeout_s))
+            return addr, port"""], "operating system"),
+        "(port, address) returned": Wrong("point", [gloo(ret="port, addr")], "(address, port)"),
+        "no timeout given": Wrong("point", [gloo(timeout="timedelta(minutes=30)")], "check 3/3"),
+        "a fixed timeout of 15 s": Wrong("point", [gloo(timeout="timedelta(seconds=15)")],
+                                         "check 3/3"),
+        "world_size=2": Wrong("size", [gloo(size="2")], "at 3 ranks"),
+        "rank from MPI.COMM_WORLD": Wrong("size", [gloo(rank="MPI.COMM_WORLD.rank")], "check 1/3"),
+        "hard-coded port, saved with PASS": Wrong("saved", ["""
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29500",
+                                    rank=comm.rank, world_size=comm.size,
+                                    timeout=timedelta(seconds=timeout_s))
+            return "127.0.0.1", 29500"""], "check 1/3", saved("PASS")),
+        "run rebound to return the solution's results": Wrong(
+            "tampered", [RIGHT], "rebinds `run`", learner_adds("run = lambda *a, **k: []")),
+    },
+    "05_broadcast_consistency": {
+        "broadcast from rank 0 whatever the root": Wrong("point", ["""
+            for t in [*model.parameters(), *model.buffers()]:
+                comm.Bcast(t.detach().numpy(), root=0)""", RIGHT], "check 2/4"),
+        "parameters only, buffers forgotten": Wrong("point", ["""
+            for t in model.parameters():
+                comm.Bcast(t.detach().numpy(), root=root)""", RIGHT], "running_mean"),
+        "broadcast into new tensors": Wrong("point", ["""
+            for t in [*model.parameters(), *model.buffers()]:
+                t.data = torch.as_tensor(comm.bcast(t.detach().numpy(), root=root))""", RIGHT],
+                                            "replaced"),
+        "root sends to rank 1 - root (p = 2 only)": Wrong("size", ["""
+            for t in [*model.parameters(), *model.buffers()]:
+                if comm.rank == root:
+                    comm.Send(t.detach().numpy(), dest=1 - root)
+                else:
+                    comm.Recv(t.detach().numpy(), source=root)""", RIGHT], "check 1/4"),
+        "spread of the parameters only": Wrong("point", [RIGHT, """
+            spread = 0.0
+            for t in model.parameters():
+                hi = t.detach().numpy().copy()
+                lo = hi.copy()
+                comm.Allreduce(MPI.IN_PLACE, hi, op=MPI.MAX)
+                comm.Allreduce(MPI.IN_PLACE, lo, op=MPI.MIN)
+                spread = max(spread, float((hi - lo).max()))
+            return spread"""], "check 3/4"),
+        "spread reduced in place on the model itself": Wrong("point", [RIGHT, """
+            spread = 0.0
+            for t in [*model.parameters(), *model.buffers()]:
+                lo = t.detach().numpy().copy()
+                comm.Allreduce(MPI.IN_PLACE, t.detach().numpy(), op=MPI.MAX)
+                comm.Allreduce(MPI.IN_PLACE, lo, op=MPI.MIN)
+                spread = max(spread, float((t.detach().numpy() - lo).max()))
+            return spread"""], "check 4/4"),
+        "spread as the distance from rank 0": Wrong("size", [RIGHT, """
+            spread = 0.0
+            for t in [*model.parameters(), *model.buffers()]:
+                mine = t.detach().numpy()
+                root = mine.copy()
+                comm.Bcast(root, root=0)
+                far = np.abs(mine - root).max() if mine.size else 0.0
+                spread = max(spread, comm.allreduce(float(far), op=MPI.MAX))
+            return spread"""], "at 3 ranks"),
+        "floating-point tensors only": Wrong("point", ["""
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.is_floating_point():
+                    comm.Bcast(t.detach().numpy(), root=root)""", """
+            spread = 0.0
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.is_floating_point():
+                    hi = t.detach().numpy().copy()
+                    lo = hi.copy()
+                    comm.Allreduce(MPI.IN_PLACE, hi, op=MPI.MAX)
+                    comm.Allreduce(MPI.IN_PLACE, lo, op=MPI.MIN)
+                    spread = max(spread, float((hi - lo).max()))
+            return spread"""], "num_batches_tracked"),
+        "spread skips the batch counts": Wrong("point", [RIGHT, """
+            spread = 0.0
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.is_floating_point():
+                    hi = t.detach().numpy().copy()
+                    lo = hi.copy()
+                    comm.Allreduce(MPI.IN_PLACE, hi, op=MPI.MAX)
+                    comm.Allreduce(MPI.IN_PLACE, lo, op=MPI.MIN)
+                    spread = max(spread, float((hi - lo).max()))
+            return spread"""], "check 3/4"),
+        "only the root calls Bcast": Wrong("deadlock", ["""
+            for t in [*model.parameters(), *model.buffers()]:
+                if comm.rank == root:
+                    comm.Bcast(t.detach().numpy(), root=root)""", RIGHT], "check 1/4"),
+        "buffers forgotten, saved with PASS": Wrong("saved", ["""
+            for t in model.parameters():
+                comm.Bcast(t.detach().numpy(), root=root)""", RIGHT], "running_mean",
+                                                    saved("PASS")),
+        "per_rank replaced in the learner's cell": Wrong(
+            "tampered", [UNSOLVED, UNSOLVED], "rebinds `per_rank`",
+            learner_adds("def per_rank(results, test):\n    return None")),
+    },
+    "06_bucketed_allreduce": {
+        "every slice taken at offset 0": Wrong("point", ["""
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            bucket = torch.cat([g.reshape(-1) for g in grads])
+            comm.Allreduce(MPI.IN_PLACE, bucket.numpy(), op=MPI.SUM)
+            bucket /= comm.size
+            for g in grads:
+                g.copy_(bucket[:g.numel()].view_as(g))"""], "check 2/4"),
+        "one Allreduce per parameter, no bucket": Wrong("point", ["""
+            for p in model.parameters():
+                if p.grad is not None:
+                    comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
+                    p.grad /= comm.size"""], "check 1/4"),
+        "divided by 2": Wrong("size", [BUCKET.format(divisor=2, order="grads")], "at 3 ranks"),
+        "crashes on a gradient that is None": Wrong("point", [BUCKET.format(
+            divisor="comm.size", order="grads").replace(" if p.grad is not None", "")],
+                                                     "check 4/4"),
+        "summed but never copied back": Wrong("point", ["""
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            bucket = torch.cat([g.reshape(-1) for g in grads])
+            comm.Allreduce(MPI.IN_PLACE, bucket.numpy(), op=MPI.SUM)
+            bucket /= comm.size"""], "check 2/4"),
+        "unflattened in reverse order": Wrong("point", [BUCKET.format(
+            divisor="comm.size", order="reversed(grads)")], "check 2/4"),
+        "zeros for missing gradients, written back": Wrong("point", ["""
+            for p in model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in model.parameters()]
+            bucket = torch.cat([g.reshape(-1) for g in grads])
+            comm.Allreduce(MPI.IN_PLACE, bucket.numpy(), op=MPI.SUM)
+            bucket /= comm.size
+            offset = 0
+            for g in grads:
+                g.copy_(bucket[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()"""], "check 4/4"),
+        "unsolved, saved with PASS under every check": Wrong(
+            "saved", [UNSOLVED], "not solved yet", saved("PASS")),
+        "a check cell tagged as the learner's": Wrong(
+            "tampered", [UNSOLVED], "tags", check_tagged_exercise(0)),
+        "a cell added that prints PASS": Wrong(
+            "tampered", [UNSOLVED], "added", extra_cell("print('check 1/4 ...: PASS')")),
+    },
+    "07_parameter_averaging": {
+        "summed instead of averaged": Wrong("point", ["""
+            for p in model.parameters():
+                comm.Allreduce(MPI.IN_PLACE, p.detach().numpy(), op=MPI.SUM)""", RIGHT],
+                                            "check 1/3"),
+        "averages after steps 0, period, ... (off by one)": Wrong("point", [RIGHT, """
+            if step % period == 0:
+                average_parameters(model, comm)"""], "check 3/3"),
+        "divided by 2": Wrong("size", ["""
+            with torch.no_grad():
+                for p in model.parameters():
+                    comm.Allreduce(MPI.IN_PLACE, p.detach().numpy(), op=MPI.SUM)
+                    p /= 2""", RIGHT], "at 3 ranks"),
+        "averages once, after the last step": Wrong("point", [RIGHT, """
+            if step == steps - 1:
+                average_parameters(model, comm)"""], "check 2/3"),
+        "new tensors instead of averaging in place": Wrong("point", ["""
+            for p in model.parameters():
+                total = comm.allreduce(p.detach().numpy(), op=MPI.SUM)
+                p.data = torch.as_tensor(total / comm.size)""", RIGHT], "in place"),
+        "gradients averaged instead of parameters": Wrong("point", [RIGHT, """
+            if (step + 1) % period == 0:
+                for p in model.parameters():
+                    comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
+                    p.grad /= comm.size"""], "check 2/3"),
+        "MPI.COMM_WORLD instead of the comm given": Wrong("size", ["""
+            world = MPI.COMM_WORLD
+            with torch.no_grad():
+                for p in model.parameters():
+                    world.Allreduce(MPI.IN_PLACE, p.detach().numpy(), op=MPI.SUM)
+                    p /= world.size""", RIGHT], "check 1/3"),
+        "only rank 0 averages": Wrong("deadlock", [RIGHT, """
+            if (step + 1) % period == 0 and comm.rank == 0:
+                average_parameters(model, comm)"""], "check 2/3"),
+        "summed, saved with FAIL outputs": Wrong("saved", ["""
+            for p in model.parameters():
+                comm.Allreduce(MPI.IN_PLACE, p.detach().numpy(), op=MPI.SUM)""", RIGHT],
+                                                 "check 1/3", saved("FAIL: x")),
+        "the last check cell deleted": Wrong("tampered", [RIGHT, UNSOLVED], "removed",
+                                             drop_check(2)),
+        "refs patched to agree with anything": Wrong(
+            "tampered", [RIGHT, RIGHT], "changes `refs.local_sgd_reference`",
+            learner_adds("refs.local_sgd_reference = lambda size, steps, period: None")),
+    },
+}
+
+KINDS = ("size", "point", "deadlock", "saved", "tampered")

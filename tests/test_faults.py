@@ -1,0 +1,227 @@
+"""Faults learners cause: a hung rank, an interrupted cell, and every way a notebook ends.
+
+Each must end in a clear error or a usable cluster, within the collective's
+timeout or seconds, and leave no process and no file behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import ipyparallel as ipp
+import psutil
+import pytest
+from IPython.paths import get_ipython_dir
+
+from pcourse.cluster import ClusterError, start_cluster, stop_cluster
+from pcourse.cluster.launch import mpirun
+
+# --- a hung rank ---------------------------------------------------------------------
+
+HUNG = """
+import time
+import torch
+from mpi4py import MPI
+from pcourse.backends import make_backend
+
+backend = make_backend("mpi", timeout=2)
+if backend.rank == 1:
+    start = time.monotonic()
+    try:
+        backend.allreduce(torch.ones(4))
+        print("rank 1: the allreduce returned", flush=True)
+    except Exception as exc:
+        took = time.monotonic() - start
+        print(f"rank 1 gave up after {took:.1f} s: {type(exc).__name__}: {exc}", flush=True)
+        MPI.COMM_WORLD.Abort(1)  # ends rank 0's wait too
+else:
+    time.sleep(60)  # rank 0 never joins the allreduce
+"""
+
+
+@pytest.mark.mpi
+def test_a_hung_rank_is_found_within_the_collective_timeout(tmp_path: Path) -> None:
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG)
+    done = mpirun(2, [str(script)], timeout=30, check=False)
+    gave_up = re.search(r"rank 1 gave up after ([\d.]+) s: (.*)", done.stdout)
+    assert gave_up, done.stdout[-2000:]
+    assert float(gave_up.group(1)) >= 2  # not before the timeout the backend was given
+    assert gave_up.group(2).startswith("CollectiveTimeout: rank 1: allreduce did not complete "
+                                       "within 2 s")
+    assert "restart" in gave_up.group(2)  # and says what to do
+
+
+# --- every way of ending the notebook or script that owns a cluster --------------------
+
+OWNER = """
+import os, signal, sys, time
+from pcourse.cluster import start_cluster
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+mc = start_cluster(1)
+print(mc.view.apply_sync(os.getpid)[0], flush=True)
+if sys.argv[1] != "exit":  # a script that forgets stop_cluster just ends here
+    time.sleep(600)
+"""
+
+
+def _owned(mark: str, owner: int) -> list[psutil.Process]:
+    """Processes started, directly or not, by the owner carrying ``mark`` (not the owner)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != owner and proc.environ().get("PCOURSE_TEST_OWNER") == mark \
+                    and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def _files_of(owner: int) -> list[Path]:
+    """Connection files, logs and folders a cluster of this owner could have left."""
+    profile = Path(get_ipython_dir()) / "profile_default"
+    return [*Path(tempfile.gettempdir()).glob(f"pcourse-cluster-{owner}-*"),
+            *(profile / "security").glob(f"*pcourse-{owner}-*"),
+            *(profile / "log").glob(f"*pcourse-{owner}-*")]
+
+
+def _wait_until(done, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize("ending", ["exit", "SIGINT", "SIGTERM", "SIGKILL"])
+def test_every_way_of_ending_the_owner_leaves_nothing_behind(ending: str) -> None:
+    mark = uuid.uuid4().hex
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, ending], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PCOURSE_TEST_OWNER": mark})
+    try:
+        assert owner.stdout.readline().strip().isdigit(), "the cluster did not start"
+        assert _owned(mark, owner.pid)
+        if ending != "exit":
+            owner.send_signal(getattr(signal, ending))
+        owner.wait(timeout=60)
+        assert _wait_until(lambda: not _owned(mark, owner.pid), 30), _owned(mark, owner.pid)
+        assert _files_of(owner.pid) == []
+    finally:
+        owner.kill()
+        owner.wait()
+        for proc in _owned(mark, owner.pid):  # leave the machine clean even when failing
+            proc.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_stop_after_the_controller_was_killed_leaves_nothing_behind() -> None:
+    mc = start_cluster(1)
+    controller = psutil.Process(mc.cluster.controller.process.pid)
+    ours = [controller, *controller.children(recursive=True),
+            *(psutil.Process(pid) for pid in mc.view.apply_sync(os.getpid))]
+    controller.kill()
+    controller.wait(10)
+    stop_cluster(mc)
+    assert _wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                                       for p in ours), 10)
+
+
+# --- interrupts ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mc():
+    cluster = start_cluster(2)
+    yield cluster
+    stop_cluster()
+    stop_cluster(cluster)
+
+
+LOOP = """
+import time
+import torch
+from pcourse.backends import make_backend
+
+backend = make_backend("mpi")
+t = torch.ones(1000)
+while True:
+    backend.allreduce(t)
+    if rank == 0:
+        time.sleep(0.001)  # rank 0 lags: an interrupt finds rank 1 waiting in the allreduce
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_an_interrupt_mid_allreduce_leaves_the_cluster_usable(mc) -> None:
+    running = mc.view.execute(LOOP, block=False)
+    time.sleep(1.0)
+    assert not running.done()
+    mc.client.send_signal("SIGINT", block=True)  # what %%px does on the stop button
+    assert running.wait(10), "a rank is still blocked in the allreduce"
+    with pytest.raises(ipp.error.CompositeError, match="KeyboardInterrupt"):
+        running.get()
+
+    def sum_of_ranks() -> float:  # the lesson's next cell: a new backend, the same engines
+        import torch
+
+        from pcourse.backends import make_backend
+
+        with make_backend("mpi") as backend:
+            return backend.allreduce(torch.tensor([backend.rank + 1.0])).item()
+
+    assert mc.view.apply_async(sum_of_ranks).get(timeout=30) == [3.0, 3.0]
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_interrupting_a_blocking_call_stops_the_engines_too(mc) -> None:
+    """The stop button on ``mc.view.apply_sync(...)``: the engines stop with the cell."""
+
+    def slow() -> None:
+        import time
+
+        time.sleep(600)
+
+    main = threading.main_thread().ident  # the stop button: SIGINT to the kernel
+    threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        mc.view.apply_sync(slow)
+    assert mc.view.apply_async(os.getpid).get(timeout=15)  # nothing left queued ahead
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_an_interrupt_that_cannot_stop_a_rank_says_restart_and_restart_works(mc) -> None:
+    # A raw MPI call that never completes: Python cannot interrupt it.
+    mc.view.execute("from mpi4py import MPI\nimport time\n"
+                    "if rank == 1:\n    MPI.COMM_WORLD.Barrier()  # alone: blocks in C\n"
+                    "else:\n    time.sleep(600)\n", block=False)
+    time.sleep(1.0)
+    mc.client.send_signal("SIGINT", block=True)
+    assert _wait_until(mc.problem, 30), "the blocked rank was never dealt with"
+    assert re.fullmatch(r"The cluster's engines stopped \(rank 1 did not stop within [\d.]+ s "
+                        r"of the interrupt\)\. Restart it: run start_cluster\(2\) again\.",
+                        mc.problem())
+    with pytest.raises(ClusterError, match="Restart it"):  # one line, not ipyparallel's errors
+        mc.view.apply_sync(os.getpid)
+    again = start_cluster(2)
+    try:
+        assert again.view.pull("size") == [2, 2]
+    finally:
+        stop_cluster(again)
