@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm import tqdm  # the text bar: works on engines and in CI without ipywidgets
 
 from pcourse.backends import Backend
 from pcourse.buckets import BucketedAllreduce
@@ -44,6 +43,7 @@ from pcourse.data_parallel import (
     check_consistency,
 )
 from pcourse.partition import partition_indices
+from pcourse.utils.progress import Bar
 from pcourse.workloads import Workload, default_config, make_workload
 from pcourse.workloads.config import batch_sizes  # noqa: F401 - the loop's, kept where it was
 
@@ -151,8 +151,8 @@ def _fit(wl: Workload, backend, sync, opt, scheduler, config, rank, size, local,
          progress: bool):
     """All epochs; returns (per-epoch losses, per-epoch seconds, steps per epoch)."""
     losses, times, steps = [], [], 0
-    bar = tqdm(range(config.epochs), desc=f"{wl.name} ×{size}", disable=not progress or rank != 0)
-    for epoch in bar:
+    bar = Bar(config.epochs, f"{wl.name} ×{size}", "epoch") if progress and rank == 0 else None
+    for epoch in range(config.epochs):
         t0 = time.perf_counter()
         batches = local_batches(wl.n_train, rank, size, local, config.seed, epoch)
         wl.model.train()
@@ -161,7 +161,10 @@ def _fit(wl: Workload, backend, sync, opt, scheduler, config, rank, size, local,
             scheduler.step()
         times.append(time.perf_counter() - t0)
         steps = len(batches)
-        bar.set_postfix(loss=f"{losses[-1]:.4g}", s=f"{times[-1]:.2f}")
+        if bar is not None:
+            bar.update(epoch + 1, postfix=f"loss {losses[-1]:.4g}, {times[-1]:.2f} s")
+    if bar is not None:
+        bar.close()
     return losses, times, steps
 
 
@@ -178,9 +181,10 @@ def train(
     ``backend`` None is the serial, one-process reference. ``config`` is a
     FrankeConfig / MNISTConfig (default: the workload's full configuration) and
     must have ``epochs``, ``batch_size``, ``scaling`` and ``seed``. A named workload
-    is built on the backend's device (the CPU when serial). The progress bar shows
-    on rank 0 only; ``sync`` chooses how gradients are averaged (see
-    :func:`gradient_sync`). The final weights are compared across ranks.
+    is built on the backend's device (the CPU when serial). ``progress`` shows rank
+    0's epochs, in a notebook also when it runs on the engines, without leaving an
+    output behind (:mod:`pcourse.utils.progress`). ``sync`` chooses how gradients are
+    averaged (see :func:`gradient_sync`). The final weights are compared across ranks.
     """
     rank, size = (backend.rank, backend.size) if backend is not None else (0, 1)
     device = backend.device if backend is not None else torch.device("cpu")

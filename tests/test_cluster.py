@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import io
 import os
-import sys
 
 import psutil
 import pytest
@@ -117,43 +115,3 @@ def test_several_nodes_are_an_explicit_choice(tmp_path):
     assert multi.config.MPILauncher.mpi_cmd == there.command
 
 
-def test_start_progress_leaves_nothing_in_a_notebook_cell(monkeypatch):
-    """Learners see engines registering; the saved cell, which nbval compares, keeps nothing."""
-    shown = []
-
-    class Handle:
-        def update(self, bundle, raw):
-            shown.append(bundle)
-
-    def display(bundle, raw, display_id):
-        shown.append(bundle)
-        return Handle()
-
-    monkeypatch.setattr(cl, "_in_notebook", lambda: True)
-    monkeypatch.setattr("IPython.display.display", display)
-    progress = cl._Progress(2)
-    for done in (0, 1, 2):
-        progress.update(done)
-    progress.close()
-    # nbval keeps the first version (it ignores updates), nbclient the last: both empty,
-    # so neither the saved cell nor nbval's comparison holds an output field.
-    assert shown[0] == {} and shown[-1] == {}
-    assert [b["text/plain"].split("|")[-1].split()[0] for b in shown[1:-1]] == \
-        ["0/2", "1/2", "2/2"]
-
-
-def test_start_progress_in_a_terminal_clears_itself(monkeypatch):
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-
-    err = Terminal()
-    monkeypatch.setattr(sys, "stderr", err)
-    progress = cl._Progress(2)
-    for done in (0, 1, 2):
-        progress.update(done)
-    progress.close()
-    line = ""
-    for part in err.getvalue().split("\r"):  # what the terminal shows: \r overwrites
-        line = part + line[len(part):]
-    assert "2/2" in err.getvalue() and line.strip() == ""

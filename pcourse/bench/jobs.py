@@ -219,26 +219,27 @@ def on_cluster(view: Any, measure: Callable, spec: Any, *, desc: str, timeout: f
     timeout raises :class:`BenchError` carrying the rows measured so far.
     """
     from ipyparallel import error as ipp_error
-    from tqdm import tqdm  # the text bar: works in notebooks, on terminals and in CI
+
+    from pcourse.utils.progress import Bar, latest
 
     result = view.apply_async(engine_entry, measure, spec)
-    bar = tqdm(desc=desc, total=0, disable=not progress, file=sys.stderr)
+    bar = Bar(0, desc=desc, unit="step") if progress else None
     deadline = time.monotonic() + timeout
-    seen = Outcome()
+    seen, count = Outcome(), 0
     try:
         while not result.ready():
             if time.monotonic() > deadline:
                 raise BenchError(f"{desc}: the engines did not finish within {timeout:.0f} s; "
                                  "they may be stuck: restart the cluster", seen.rows)
-            state = _latest(result.data)
+            state = latest(result.data)
             if state is not None and (state[0], len(state[3]["notes"])) != (
-                    bar.n, len(seen.notes)):
+                    count, len(seen.notes)):
                 count, total, line, outcome = state
                 for note in outcome["notes"][len(seen.notes):]:
-                    bar.write(note, file=sys.stdout)
+                    print(note)
                 seen = Outcome(**outcome)
-                bar.total, bar.n = total, count
-                bar.set_postfix_str(line.partition("] ")[2] or line)  # redraws
+                if bar is not None:
+                    bar.update(count, total, line.partition("] ")[2] or line)
             result.wait(0.2)
         answers = result.get()
     except ipp_error.CompositeError as exc:  # the engines' exceptions: the first says why
@@ -250,19 +251,12 @@ def on_cluster(view: Any, measure: Callable, spec: Any, *, desc: str, timeout: f
               "cell's work (or restart the cluster to stop them now)", file=sys.stderr)
         raise
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
     outcome = next(o for rank, o in answers if rank == 0)
     for note in outcome.notes[len(seen.notes):]:
         print(note)
     return outcome
-
-
-def _latest(data: Any) -> Any:
-    """Rank 0's last published progress, from an AsyncResult's ``data``."""
-    for entry in data if isinstance(data, list) else [data]:
-        if entry and "progress" in entry:
-            return entry["progress"]
-    return None
 
 
 # ---- front door 2: an MPI job of its own ----------------------------------------------

@@ -44,6 +44,7 @@ from pcourse.cluster.interrupts import INTERRUPT_GRACE
 from pcourse.cluster.launch import Launcher, MPINotFound, find_mpiexec, max_engines, mpi_launcher
 from pcourse.cluster.rankinfo import RankInfo, gpu_count
 from pcourse.cluster.reaper import MARK, end_cluster, kill_marked
+from pcourse.utils.progress import Bar, latest
 
 START_TIMEOUT = 90.0  # seconds for all engines to register and initialise
 _FOLDER = re.compile(r"^pcourse-cluster-(\d+)-")  # pcourse-cluster-<owner pid>-<random>
@@ -145,6 +146,7 @@ class _InterruptibleView(ipp.DirectView):
 
 def _finish(ar: Any, client: ipp.Client) -> Any:
     try:
+        _show_progress(ar)
         return ar.get()
     except KeyboardInterrupt:
         try:
@@ -153,6 +155,20 @@ def _finish(ar: Any, client: ipp.Client) -> Any:
         except Exception:  # noqa: BLE001 - the interrupt is what the user must see
             pass
         raise
+
+
+def _show_progress(ar: Any) -> None:
+    """Wait for ``ar``, showing what rank 0 publishes (``train``'s epochs) as a bar."""
+    bar = None
+    try:
+        while not ar.wait(0.2):
+            state = latest(ar.data)
+            if state is not None:
+                bar = bar or Bar(state[1], desc="rank 0", unit="step")
+                bar.update(state[0], state[1], state[2])
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 _current: MPICluster | None = None
@@ -229,7 +245,8 @@ def start_cluster(
     folder = Path(tempfile.mkdtemp(prefix=f"pcourse-cluster-{os.getpid()}-"))
     reaper = _start_reaper(folder)
     cluster = _make_cluster(n, folder, launcher, env or {}, hostfile)
-    progress = _Progress(n)
+    progress = Bar(n, desc="engines", unit="engine")
+    progress.update(0)
     client = None
     try:
         try:
@@ -304,7 +321,7 @@ def _initialise(client: ipp.Client, timeout: float) -> tuple[list[RankInfo], ipp
 
 
 def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout: float,
-                      progress: _Progress) -> None:
+                      progress: Bar) -> None:
     """Wait until n engines register; fail fast, with their log, if they die."""
     deadline = time.monotonic() + timeout
     while len(client.ids) < n:
@@ -329,61 +346,6 @@ def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout:
             )
         time.sleep(0.1)
     progress.update(n)
-
-
-class _Progress:
-    """Engines registered so far, shown while they start and gone once they have.
-
-    In a notebook, a display that starts empty, is updated in place as engines
-    register, and is emptied at the end. nbval records only the first, empty,
-    version (it ignores updates) and nbclient only the last, so the saved cell and
-    nbval's comparison keep nothing of it. In a terminal, a tqdm bar on stderr that
-    clears itself. Elsewhere (pipes, logs, tests) nothing.
-    """
-
-    def __init__(self, total: int) -> None:
-        self.total, self.start, self.shown = total, time.monotonic(), -1
-        self.handle: Any = None
-        self.bar: Any = None
-        if _in_notebook():
-            from IPython.display import display
-
-            self.handle = display({}, raw=True, display_id=True)
-        elif sys.stderr is not None and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc="engines", unit="engine", leave=False)
-        self.update(0)
-
-    def update(self, done: int) -> None:
-        if done == self.shown:
-            return
-        self.shown = done
-        if self.bar is not None:
-            self.bar.n = done
-            self.bar.refresh()  # engines register seconds apart: draw each one
-        elif self.handle is not None:
-            self.handle.update(self._bundle(done), raw=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.handle is not None:
-            self.handle.update({}, raw=True)  # an empty bundle: nothing shown, nothing compared
-        self.bar = self.handle = None
-
-    def _bundle(self, done: int) -> dict[str, str]:
-        from tqdm import tqdm
-
-        elapsed = time.monotonic() - self.start
-        meter = tqdm.format_meter(done, self.total, elapsed, prefix="engines", unit="engine")
-        return {"text/plain": meter}
-
-
-def _in_notebook() -> bool:
-    ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None else None
-    return getattr(shell, "kernel", None) is not None
 
 
 def _watch_cells() -> None:
