@@ -18,7 +18,9 @@ Two front doors, one measurement (:func:`measure`):
   through the latent space) under ``--out``.
 
 Repeats are rounds over all configurations, not back-to-back runs of one: a
-machine that slows down part-way slows every configuration alike.
+machine that slows down part-way slows every configuration alike. Before its first
+timed run, each (backend, ranks) trains a few untimed updates (:func:`warm_up`), so
+that no configuration's time carries the first run's one-off costs.
 """
 
 from __future__ import annotations
@@ -96,13 +98,43 @@ def measure(comm: Any, spec: ScalingSpec, progress: jobs.Progress) -> None:
     if not plan:
         raise BenchError("no configuration can run on this machine (see the skip reasons)")
     progress.total = len(plan)
+    warm = set()
     with jobs.RankGroups(comm, [p for _, p, _ in plan]) as groups:
         for backend, ranks, repeat in plan:
+            if (backend, ranks) not in warm:  # before its first timed run, untimed
+                warm.add((backend, ranks))
+                groups.run(ranks, lambda sub, b=backend, p=ranks: warm_up(sub, spec, b, p))
             row = groups.run(ranks, lambda sub, b=backend, r=repeat: run_once(sub, spec, b, r))
             if row is not None:
                 progress.done(f"{backend:>10} ×{ranks} run {repeat + 1}/{spec.repeats}: "
                               f"train {row['train_time']:.2f} s, wall {row['wall_time']:.2f} s, "
                               f"loss {row['final_loss']:.4g}", [row])
+
+
+WARMUP_STEPS = 4  # updates of the untimed warm-up run before a configuration is timed
+
+
+def warm_up(comm: Any, spec: ScalingSpec, backend_name: str, ranks: int) -> None:
+    """An untimed run of a few updates, the same code path as the timed runs.
+
+    The first run of a configuration pays for what later ones find ready (the
+    backend's connections, the allocator's pools, the math library's kernels for
+    these shapes, the data in the page cache): timed, it would make the first
+    configuration look slow. Every run builds its data, model and optimiser afresh
+    from the seeds, so the timed runs' results do not depend on this one.
+    """
+    run_once(comm, dataclasses.replace(spec, config=warm_up_config(spec.config, ranks),
+                                       save_model=None), backend_name, -1)
+
+
+def warm_up_config(config: FrankeConfig | MNISTConfig, ranks: int) -> FrankeConfig | MNISTConfig:
+    """``config`` cut to one epoch of :data:`WARMUP_STEPS` updates at ``ranks`` ranks."""
+    per_update = config.batch_size * (ranks if config.scaling == "weak" else 1)
+    n = WARMUP_STEPS * per_update
+    if isinstance(config, FrankeConfig):
+        return dataclasses.replace(config, epochs=1, n_points=min(config.n_points, n),
+                                   n_test=min(config.n_test, per_update))
+    return dataclasses.replace(config, epochs=1, limit=min(config.limit or n, n))
 
 
 def run_once(comm: Any, spec: ScalingSpec, backend_name: str, repeat: int) -> dict:
