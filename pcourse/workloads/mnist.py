@@ -1,14 +1,16 @@
 """MNIST from its IDX files, gzipped or raw, with checks that catch damaged files.
 
-Where the data lives, in order: the ``data_dir`` argument, the ``PCOURSE_MNIST_DIR``
-environment variable, ``~/.cache/pcourse/mnist``. Missing files are downloaded the
-ordinary way where a network is there (``PCOURSE_MNIST_DOWNLOAD=0`` forbids it, for
-offline CI); where not, the error names the files, the folder and how to fix it.
-A truncated or foreign file is refused with a clear error rather than turned into
-a few thousand silently wrong images.
+Where the data lives, the first of (:func:`resolve_dir`): the ``data_dir`` argument,
+the ``PCOURSE_MNIST_DIR`` environment variable, a ``shared/data/mnist`` folder beside
+the course's checkout if there is one (a workshop's or offline machine's copy), then
+``~/.cache/pcourse/mnist``. The repository holds no MNIST files. Files missing from
+that folder are downloaded into it the ordinary way where a network is there
+(``PCOURSE_MNIST_DOWNLOAD=0`` forbids it, for offline CI); where not, the error names
+the files, the folder and how to fix it. A truncated or foreign file is refused with
+a clear error rather than turned into a few thousand silently wrong images.
 
-Quick mode uses the 10,000-image test split (``../shared/data/mnist`` holds it for
-machines without a network); full mode the 60,000-image training split.
+Quick mode uses the 10,000-image test split (a smaller download); full mode the
+source's first 10,000 images of the 60,000-image training split.
 """
 
 from __future__ import annotations
