@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import sys
 
+import pytest
+
 from pcourse.utils import progress
 
 
@@ -68,3 +70,39 @@ def test_nowhere_to_show_it_shows_nothing(monkeypatch, capsys):
     monkeypatch.setattr(progress, "in_notebook", lambda: False)
     _run(progress.Bar(2, "quiet"), 2)  # pytest's captured stderr is not a terminal
     assert capsys.readouterr() == ("", "")
+
+
+def _train_on_engine(epochs):
+    from pcourse.backends import make_backend
+    from pcourse.loop import train
+    from pcourse.workloads.config import FrankeConfig
+
+    with make_backend("mpi") as backend:
+        return train("franke", backend, FrankeConfig.quick(epochs=epochs)).final_loss
+
+
+@pytest.mark.mpi
+def test_training_on_the_engines_shows_rank_0s_epochs_in_the_notebook(monkeypatch):
+    """train() on the engines publishes; the blocking apply shows it, then empties it."""
+    from pcourse.cluster import start_cluster, stop_cluster
+
+    shown = []
+
+    class Handle:
+        def update(self, bundle, raw):
+            shown.append(bundle)
+
+    def display(bundle, raw, display_id):
+        shown.append(bundle)
+        return Handle()
+
+    mc = start_cluster(2)
+    try:
+        monkeypatch.setattr(progress, "in_notebook", lambda: True)
+        monkeypatch.setattr("IPython.display.display", display)
+        losses = mc.view.apply_sync(_train_on_engine, 150)  # long enough to be seen
+    finally:
+        stop_cluster(mc)
+    assert losses[0] == losses[1]
+    assert shown and shown[0] == {} and shown[-1] == {}, shown
+    assert any("franke ×2" in b.get("text/plain", "") for b in shown[1:-1]), shown

@@ -169,26 +169,6 @@ def single_process_sgd(steps: int = 1, lr: float = 0.1, frozen: bool = False) ->
     return out
 
 
-def time_average(average: Callable, numel: int, repeats: int = 30) -> float:
-    """Median seconds of one ``average(model, comm)`` of a single ``numel``-number gradient.
-
-    Takes the plain communicator: the counting one would add its own cost. Run it
-    only on code the checks have passed.
-    """
-    import time
-
-    comm = world()
-    model = torch.nn.Linear(numel, 1, bias=False)
-    model(torch.randn(1, numel)).sum().backward()
-    times = []
-    for _ in range(repeats):
-        comm.Barrier()
-        start = time.perf_counter()
-        average(model, comm)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 # ---------------------------------------------------------------- 03 ring allreduce
 
 def ring_trial(ring: Callable, n: int, seed: int = 0) -> dict:

@@ -13,6 +13,8 @@ typed by hand, and the index, the guide and the measurements cannot drift apart
 A workshop plan adds to each lesson's measured run time the time to read and explain
 it (its narrative's words at :data:`READING_WPM`) and, for an exercise, the time to
 write the code (:data:`EXERCISE_MINUTES`): the two assumptions, stated in the table.
+The same minutes are each notebook's **Estimated time**, a generated line in its first
+cell (block :data:`ESTIMATE`), so a lesson and the instructor's plan cannot disagree.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ BREAK_MINUTES = 15
 PLANS = {"half day": 2, "full day": 4}  # sessions of SESSION_MINUTES
 TARGETS = {"index.ipynb": ("course-index",),
            "INSTRUCTORS.md": ("lesson-needs", "workshop-plans", "troubleshooting")}
+ESTIMATE = "estimated-time"  # the block in each notebook's first cell
 _GPU_WORDS = re.compile(r"nccl|cuda|gpu", re.I)
+_BLOCK = re.compile(r"<!-- BEGIN generated: .*?<!-- END generated: [^>]*-->", re.S)
 
 
 def begin(name: str) -> str:
@@ -92,8 +96,10 @@ def _has_full(root: Path, path: Path) -> bool:
 
 
 def _words(root: Path, path: Path) -> int:
+    """The narrative's words, generated blocks left out (they say how long it takes)."""
     nb = nbformat.read(root / path, as_version=4)
-    return sum(len(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
+    return sum(len(_BLOCK.sub("", c.source).split()) for c in nb.cells
+               if c.cell_type == "markdown")
 
 
 def _needs_gpu(root: Path, path: Path) -> str:
@@ -167,6 +173,7 @@ class _Item:
     entry: Entry
     run_s: float | None
     minutes: int
+    words: int = 0
 
 
 def _items(data: dict, root: Path) -> list[_Item]:
@@ -174,14 +181,34 @@ def _items(data: dict, root: Path) -> list[_Item]:
     exercises = entries("exercises", root)
     items = []
     for lesson in entries("notebooks", root):
-        run = _seconds(data, "quick", lesson.path)
-        talk = _words(root, lesson.path) / READING_WPM
-        items.append(_Item("lesson", lesson, run, math.ceil(talk + (run or 0) / 60)))
+        run, words = _seconds(data, "quick", lesson.path), _words(root, lesson.path)
+        items.append(_Item("lesson", lesson, run,
+                           math.ceil(words / READING_WPM + (run or 0) / 60), words))
         for ex in (x for x in exercises if EXERCISE_AFTER.get(x.name) == lesson.number):
-            run = _seconds(data, "quick", Path("solutions") / ex.path.name)
-            talk = _words(root, ex.path) / READING_WPM + EXERCISE_MINUTES
-            items.append(_Item("exercise", ex, run, math.ceil(talk + (run or 0) / 60)))
+            run, words = (_seconds(data, "quick", Path("solutions") / ex.path.name),
+                          _words(root, ex.path))
+            talk = words / READING_WPM + EXERCISE_MINUTES
+            items.append(_Item("exercise", ex, run, math.ceil(talk + (run or 0) / 60), words))
     return items
+
+
+def estimated_time(item: _Item) -> str:
+    """A notebook's **Estimated time** line: the plan's minutes, and what they are made of."""
+    parts = [f"{item.words:,} words to read and discuss at {READING_WPM} a minute"]
+    if item.kind == "exercise":
+        parts.append(f"{EXERCISE_MINUTES} min to write the code")
+    solved = ", once solved" if item.kind == "exercise" else ""
+    parts.append(f"{duration(item.run_s)} to run in quick mode{solved}")
+    return (f"**Estimated time:** {item.minutes} min — {', '.join(parts[:-1])} and {parts[-1]}. "
+            "The instructor's workshop plans use the same figure "
+            "([INSTRUCTORS.md](../INSTRUCTORS.md)).")
+
+
+def estimate_paths(item: _Item) -> list[Path]:
+    """The notebooks that carry ``item``'s line: a lesson, or an exercise and its solution."""
+    if item.kind == "lesson":
+        return [item.entry.path]
+    return [item.entry.path, Path("solutions") / item.entry.path.name]
 
 
 def _clock(minutes: int) -> str:
@@ -214,7 +241,8 @@ def workshop_plans(data: dict, root: Path) -> str:
     out = [f"Minutes per item = the measured quick-mode run time + its narrative's words "
            f"read and explained at {READING_WPM} words a minute + {EXERCISE_MINUTES} min "
            f"to write each exercise's code. Blocks of {SESSION_MINUTES} min, "
-           f"{BREAK_MINUTES} min breaks. {_machine(data, 'quick')}."]
+           f"{BREAK_MINUTES} min breaks. Each notebook's **Estimated time** line gives the "
+           f"same minutes. {_machine(data, 'quick')}."]
     for name, sessions in PLANS.items():
         rows, left = plan(items, sessions)
         out += ["", f"**{name.capitalize()}** ({sessions} blocks of {SESSION_MINUTES} min)", "",
@@ -238,8 +266,9 @@ BLOCKS = {"course-index": course_index, "lesson-needs": lesson_needs,
 def updated(data: dict, root: Path) -> dict[Path, str]:
     """Each target file's text as it should be, from ``data``.
 
-    Every block of :data:`TARGETS` must be in its file: a lost marker is an error, not
-    a table that silently stops being updated.
+    Every block of :data:`TARGETS` must be in its file, and every lesson, exercise and
+    solution must carry its :data:`ESTIMATE` block in its first markdown cell: a lost
+    marker is an error, not a figure that silently stops being updated.
     """
     out = {}
     for rel, names in TARGETS.items():
@@ -257,6 +286,14 @@ def updated(data: dict, root: Path) -> dict[Path, str]:
                 raise ValueError(f"{rel}: no markdown cell with the markers of {name!r}")
             cell.source = replace_block(cell.source, name, body)
         out[path] = text if nb is None else nbformat.writes(nb) + "\n"
+    for item in _items(data, root):
+        for rel in estimate_paths(item):
+            nb = nbformat.read(root / rel, as_version=4)
+            cell = next((c for c in nb.cells if c.cell_type == "markdown"), None)
+            if cell is None or begin(ESTIMATE) not in cell.source:
+                raise ValueError(f"{rel}: its first markdown cell has no {ESTIMATE!r} markers")
+            cell.source = replace_block(cell.source, ESTIMATE, estimated_time(item))
+            out[root / rel] = nbformat.writes(nb) + "\n"
     return out
 
 
