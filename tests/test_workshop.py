@@ -94,6 +94,19 @@ def test_plan_keeps_order_fills_blocks_and_says_what_is_left():
     assert not left and sum("break" in r for r in rows) == 3  # 04 fills block 3 alone
 
 
+def test_the_engines_column_follows_the_notebooks_code(tmp_path):
+    nb = new_notebook(cells=[
+        new_code_cell("FULL = False\nN_ENGINES = 4 if FULL else 2"),
+        new_code_cell("mc = start_cluster(N_ENGINES)"),
+        new_code_cell("%%px\nx = start_cluster(99)"),  # magics: not Python, not read
+        new_code_cell("mc = pcourse.cluster.start_cluster(3, timeout=60)\nstart_cluster()")])
+    nbformat.write(nb, tmp_path / "a.ipynb")
+    assert render.engines_started(tmp_path, Path("a.ipynb"), full=False) == [2, 3, None]
+    assert render.engines_started(tmp_path, Path("a.ipynb"), full=True) == [4, 3, None]
+    assert render._engines(tmp_path, Path("a.ipynb"), True) == \
+        "2 → 3 → one per GPU, else 2 / 4 → 3 → one per GPU, else 2"
+
+
 # --- the timing script ------------------------------------------------------------------
 
 def test_switch_to_full_flips_only_the_mode_cell():
