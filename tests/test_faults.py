@@ -215,6 +215,42 @@ def test_stop_after_the_controller_was_killed_leaves_nothing_behind() -> None:
                                        for p in ours), 10)
 
 
+# --- a benchmark launcher that is told to stop --------------------------------------
+
+FAKE_SOURCE = """
+import os, pathlib, time
+pathlib.Path(os.environ["FAKE_SOURCE_PIDS"], str(os.getpid())).touch()
+time.sleep(600)  # a long training run
+"""
+
+
+@pytest.mark.mpi
+def test_versus_source_runs_the_source_on_loopback_and_ends_it_on_sigterm(
+        tmp_path: Path) -> None:
+    source, pids, mark = tmp_path / "parallel-nn", tmp_path / "pids", uuid.uuid4().hex
+    source.mkdir()
+    pids.mkdir()
+    (source / "main_franke.py").write_text(FAKE_SOURCE)
+    versus = subprocess.Popen(
+        [sys.executable, "-m", "pcourse.bench", "versus-source", "--source", str(source),
+         "--rounds", "1", "--ranks", "2", "--epochs", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "FAKE_SOURCE_PIDS": str(pids), "PCOURSE_TEST_OWNER": mark})
+    try:
+        assert _wait_until(lambda: len(list(pids.iterdir())) == 2, 60), "the source never ran"
+        listening = {(p.name(), c.laddr.ip) for p in _owned(mark, versus.pid)
+                     for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        assert {ip for _, ip in listening} <= {"127.0.0.1", "::1"}, listening
+        versus.send_signal(signal.SIGTERM)  # a closed terminal, a scheduler's stop
+        versus.wait(timeout=30)
+        assert _wait_until(lambda: not _owned(mark, versus.pid), 15), _owned(mark, versus.pid)
+    finally:
+        versus.kill()
+        versus.wait()
+        for proc in _owned(mark, versus.pid):  # leave the machine clean even when failing
+            proc.kill()
+
+
 # --- interrupts ----------------------------------------------------------------------
 
 
