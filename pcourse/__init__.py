@@ -19,6 +19,8 @@ Tooling lives behind it, in subpackages:
     ``bench/``     the communication, scaling and per-step benchmarks
     ``checks/``    the setup check (lesson 00) and the GPU check
     ``grading/``   exercises generated from solutions, and the grader
+    ``workshop/``  the instructor's kit: lesson timings, the generated tables of
+                   INSTRUCTORS.md and the index, resetting a learner's notebook
     ``utils/``     atomic results files, showing source in a notebook, and the
                    check that all ranks called a collective alike (``agree``)
 

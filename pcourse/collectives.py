@@ -1,34 +1,17 @@
 """Allreduce written from point-to-point messages: tree, ring and recursive doubling.
 
-MPI, NCCL and Gloo all offer one call, ``allreduce``; how it moves the data decides
-how fast it is. Here are the three classic algorithms, each a few lines of mpi4py
-``Send``/``Recv``/``Sendrecv`` on numpy buffers, so a learner can read every message
-that crosses the wire, check the result against MPI's own ``Allreduce``, and time it.
+Each algorithm is a few lines of mpi4py ``Send``/``Recv``/``Sendrecv`` on numpy
+buffers. Every one works on any number of ranks p >= 1, any length (0 and shorter
+than p included), ops sum/max/min/prod, in place or into ``out``; torch CPU tensors
+are reduced through a numpy view of their memory. Before sending anything each call
+checks, in one tiny MPI allreduce, that all ranks passed the same length (a mismatch
+would deadlock or mix up data); ``check=False`` skips that where the caller knows
+(the benchmark, which times the algorithm alone).
 
-What the libraries really run: MPICH chooses by message size and rank count among
-recursive doubling (short messages), Rabenseifner's reduce-scatter + allgather (long
-ones), a ring, trees and node-aware variants (Thakur, Rabenseifner and Gropp, 2005;
-``MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM`` pins one). NCCL builds rings and trees
-(double binary trees) over the GPUs' links, and more on some hardware (CollNet,
-NVLS), and picks per size; Gloo offers ring, chunked ring, halving-doubling and
-BCube. The source's picture of MPI, reduce to a root along a tree and broadcast
-back, is the first of ours, and the simplest; no library uses it for large data.
+:func:`cost_terms`, :func:`cost_model` and :func:`fit_alpha_beta` are the alpha-beta
+model: an allreduce costs (messages on its critical path)·α + (bytes on it)·β.
 
-The alpha-beta model prices a message of N bytes at α + N·β (α: latency per
-message, β: seconds per byte). An algorithm's time is then set by its *critical
-path*, the longest chain of messages that must follow one another: (steps on it)·α
-+ (bytes on it)·β. :func:`cost_terms` gives both numbers for each algorithm,
-:func:`cost_model` the predicted time, :func:`fit_alpha_beta` α and β from timings.
-The time spent reducing (adding the numbers) is left out of the model: on one
-machine it is of the same order as copying, so it shows up inside the fitted β.
-
-Every function works on any number of ranks p >= 1 (powers of two or not), any
-length (0 and shorter than p included), ops sum/max/min/prod, in place or into
-``out``. Torch CPU tensors are accepted and reduced through a numpy view of their
-memory. Before sending anything, each call checks with one tiny MPI allreduce that
-all ranks passed the same length, because a mismatch would otherwise deadlock or
-silently mix up data; ``check=False`` skips that when the caller knows the lengths
-agree (the benchmark does, so it times the algorithm alone).
+Lesson 03 explains the algorithms, the model, and what MPI, NCCL and Gloo really run.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """The one training loop: notebooks, the benchmark and the tests all call :func:`train`.
 
-Each step, every rank: forward on its share of the global batch, loss, backward,
-average the gradients across ranks, optimiser step. Three details make this
-*exactly* the serial large-batch step, which the tests check at 1, 2 and 4 ranks:
+Each step, every rank: forward on its share of the global batch, its summed loss
+divided by that share, backward, gradients averaged across ranks
+(:func:`gradient_sync`: per parameter, flat, or bucketed), optimiser step. Every
+rank starts from rank 0's weights and takes the strided share of one seeded shuffle
+(:func:`local_batches`), so a global batch is the same samples at any rank count
+and training is the serial large-batch run, number for number: the tests check it
+at 1, 2 and 4 ranks. ``config.scaling`` "strong" keeps the global batch fixed,
+"weak" the per-rank batch. Batches are sliced from tensors in memory: a DataLoader
+worker per rank costs more than the work on 2-core machines.
 
-1. Every rank starts from rank 0's weights (broadcast), and every rank computes
-   the same seeded shuffle of the sample indices (:mod:`pcourse.partition`).
-2. A global batch is the same run of shuffled indices at any rank count: each
-   rank takes the partitioner's *strided* share (every size-th index, as torch's
-   DistributedSampler does) and cuts it into batches. The source's contiguous
-   segments would give the same *number* of updates, but different batches at
-   each rank count, so results could not be compared number for number.
-3. Each rank divides its summed loss by its share of the batch; the average of
-   the ranks' gradients is then the gradient of the mean over the global batch.
-
-Scaling modes: "strong" keeps the global batch fixed (``config.batch_size``), so
-every rank count makes the same updates and more ranks should mean less time;
-"weak" keeps the per-rank batch fixed, so the global batch grows with the ranks
-(the source's MNIST setting). Batches are sliced from tensors in memory: a
-DataLoader worker process per rank costs more than the work on 2-core machines.
+Lesson 05 assembles this loop step by step and explains each detail.
 """
 
 from __future__ import annotations
@@ -45,7 +37,7 @@ from pcourse.data_parallel import (
 from pcourse.partition import partition_indices
 from pcourse.utils.progress import Bar
 from pcourse.workloads import Workload, default_config, make_workload
-from pcourse.workloads.config import batch_sizes  # noqa: F401 - the loop's, kept where it was
+from pcourse.workloads.config import batch_sizes
 
 
 @dataclass

@@ -1,10 +1,12 @@
 """Going to several nodes: hostfiles and ipyparallel's launchers, generated, not submitted.
 
-On one machine ``start_cluster`` launches ``mpiexec -n N`` and every engine lands
-here. On a cluster two things change: MPI must be told *which hosts* (a hostfile),
-or a batch scheduler decides and the engines start inside its allocation (Slurm's
-``srun``). ipyparallel writes both commands for us; this module produces them
-without running anything, so a notebook can show exactly what would be launched.
+:func:`hostfile_text` writes a hostfile for MPICH or Open MPI;
+:func:`mpi_engine_command` and :func:`slurm_engine_script` return the command and
+the ``sbatch`` script ipyparallel would run to start engines on other nodes, without
+running anything, so a notebook can show them. ``start_cluster(n, hostfile=...)`` and
+``start_cluster(n, slurm=...)`` (:mod:`pcourse.cluster.engines`) really start them.
+
+Lesson 09 explains hostfiles, schedulers and the interface variables.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
-"""Give each rank its own share of the data: one seeded shuffle, equal segments.
+"""Give each rank its own share of the data: one seeded shuffle, equal shares.
 
-Data-parallel SGD is large-batch SGD only if the ranks see *disjoint* shares of the
-data and every rank takes the same number of steps. Both follow from one rule:
-every rank shuffles the full index list with the *same* seed (so all ranks hold the
-same permutation without talking to each other), then takes its own segment.
+:func:`partition_indices` is a pure function: every rank shuffles the full index
+list with the same seed (the same permutation, with no message sent) and takes its
+own share. ``remainder="drop"`` (the source's) leaves up to ``size - 1`` samples out;
+``"pad"`` wraps around so every rank gets ``ceil(n / size)``, as torch's
+``DistributedSampler`` does. ``layout="segments"`` (the source's) gives rank r the
+r-th contiguous block; ``"strided"`` every size-th index from r, exactly
+``DistributedSampler``'s assignment. :class:`ParallelDataset` wraps a dataset with it.
 
-The source's ``ParallelDataset`` cuts equal segments of ``len // size`` and drops
-the remainder. Here the remainder policy is explicit:
-
-- ``"drop"``: as the source does; up to ``size - 1`` samples per epoch are unused
-  (different ones each epoch when reshuffling).
-- ``"pad"``: wrap around to the start of the permutation until every rank has
-  ``ceil(len / size)`` samples; a few samples are seen twice per epoch. This is
-  what torch's ``DistributedSampler`` does by default.
-
-``layout="segments"`` (the source's) gives rank r the r-th contiguous block of the
-permutation; ``layout="strided"`` gives it every size-th index starting at r, which
-is exactly ``DistributedSampler``'s assignment, so the two can be compared index
-for index. ``set_epoch(e)`` reshuffles with seed + e, again identically on every
-rank, so the ranks stay disjoint in every epoch.
+Lesson 02 explains why disjoint, equal shares make data-parallel SGD large-batch SGD.
 """
 
 from __future__ import annotations

@@ -52,18 +52,24 @@ def view():
 def test_scaling_same_losses_through_both_doors(view, tmp_path: Path, capsys) -> None:
     rows = scaling.run_on(view, "franke", FRANKE, backends=("mpi", "gloo", "nccl"),
                           ranks=(1, 2), progress=False)
-    assert "skip nccl at 2 rank(s)" in capsys.readouterr().out  # said, not silently dropped
+    nccl = {p for p in (1, 2) if not scaling.skip_reason("nccl", p)}  # this machine's GPUs
+    printed = capsys.readouterr().out
+    for p in (1, 2):  # what cannot run is said, not silently dropped
+        assert (f"skip nccl at {p} rank(s)" in printed) == (p not in nccl), printed
     cli("franke", "--quick", "--epochs", "1", "--backends", "mpi", "gloo", "--ranks", "1", "2",
         "--repeats", "1", "--out", str(tmp_path))
     by_cli = {(r["backend"], int(r["ranks"])): r for r in read(tmp_path / "franke_strong.csv")}
-    assert set(by_cli) == {(r["backend"], r["ranks"]) for r in rows} == {
-        (b, p) for b in ("mpi", "gloo") for p in (1, 2)}
+    cpu = {(b, p) for b in ("mpi", "gloo") for p in (1, 2)}
+    assert set(by_cli) == cpu
+    assert {(r["backend"], r["ranks"]) for r in rows} == cpu | {("nccl", p) for p in nccl}
     for r in rows:
+        assert set(scaling.FIELDS) <= set(r)
+        assert r["train_time"] <= r["total_time"] <= r["wall_time"]
+        if r["backend"] == "nccl":
+            continue  # not run through the command line
         other = by_cli[r["backend"], r["ranks"]]
         for key in ("final_loss", "test_loss", "max_deviation"):  # repr() round-trips floats
             assert float(other[key]) == r[key], (key, r["backend"], r["ranks"])
-        assert set(scaling.FIELDS) <= set(r)
-        assert r["train_time"] <= r["total_time"] <= r["wall_time"]
 
 
 def test_comm_rows_of_the_same_shape_through_both_doors(view, tmp_path: Path) -> None:
@@ -88,6 +94,24 @@ def test_steps_rows_of_the_same_shape_through_both_doors(view, tmp_path: Path) -
     assert [(r["workload"], r["ranks"], r["path"], r["backend"]) for r in rows] == key
     assert len(key) == len(steps.paths("gloo"))
     assert set(from_cli[0]) == set(steps.FIELDS) <= set(rows[0])
+
+
+@pytest.mark.parametrize("gpus,ranks,backend", [(0, 2, "gloo"), (1, 1, "nccl"), (1, 2, "gloo"),
+                                                (2, 2, "nccl"), (2, 3, "gloo")])
+def test_the_step_benchmark_uses_nccl_only_with_a_gpu_per_rank(monkeypatch, gpus, ranks,
+                                                               backend) -> None:
+    """With fewer GPUs than ranks NCCL cannot run: Gloo instead, and the reason (no GPU needed)."""
+    import pcourse.backends
+    from pcourse.cluster import rankinfo
+
+    monkeypatch.setattr(rankinfo, "gpu_count", lambda: gpus)
+    monkeypatch.setattr(pcourse.backends, "unavailable_reason", lambda name: "")
+    device = "cuda:0" if gpus else "cpu"
+    chosen, why = steps.torch_backend_for(device, ranks)
+    assert chosen == backend
+    assert bool(why) == (gpus > 0 and backend == "gloo")
+    if why:
+        assert f"{ranks} ranks, {gpus} GPU(s)" in why
 
 
 def test_a_rank_count_beyond_the_cluster_is_refused(view) -> None:

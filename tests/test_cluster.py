@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import stat
+import textwrap
 
 import psutil
 import pytest
@@ -36,7 +38,7 @@ def _listening(pids: list[int]) -> set[tuple[str, str]]:
 
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_start_run_restart_stop():
+def test_start_run_restart_stop(monkeypatch):
     devices = ["cpu" if gpu_for(r) is None else f"cuda:{gpu_for(r)}" for r in (0, 1)]
     mc = start_cluster(2)
     try:
@@ -59,7 +61,12 @@ def test_start_run_restart_stop():
         old_pids = mc.view.apply_sync(os.getpid)
         old_folder = mc.folder
 
-        mc2 = start_cluster(3)  # a re-run start cell replaces the old cluster
+        monkeypatch.setattr(cl, "max_engines", lambda: 2)  # 3 is too many here ...
+        with pytest.raises(ClusterError, match="oversubscribe=True"):
+            start_cluster(3)
+        assert mc.problem() == ""  # ... refused before the running cluster was touched
+        mc2 = start_cluster(3, oversubscribe=True)  # ... unless asked; and a re-run
+        # start cell replaces the old cluster
         assert cl._current is mc2
         assert _alive(old_pids) == []
         assert not old_folder.exists()  # its connection files and logs went with it
@@ -115,3 +122,62 @@ def test_several_nodes_are_an_explicit_choice(tmp_path):
     assert multi.config.MPILauncher.mpi_cmd == there.command
 
 
+# ---------------------------------------------------------------- engines as a Slurm job
+
+def test_a_slurm_job_is_described_by_the_environment(monkeypatch):
+    monkeypatch.delenv(cl.SLURM_ENV, raising=False)
+    assert cl.Slurm.from_env() is None
+    monkeypatch.setenv(cl.SLURM_ENV, "partition=ws  time=02:00:00 account=course")
+    assert cl.Slurm.from_env() == cl.Slurm(time="02:00:00", partition="ws", account="course")
+    for bad in ("queue=ws", "partition", "yes"):
+        monkeypatch.setenv(cl.SLURM_ENV, bad)
+        with pytest.raises(ClusterError, match="partition=..."):
+            start_cluster(2)
+    with pytest.raises(ClusterError, match="not both"):
+        start_cluster(2, hostfile="hosts", slurm=cl.Slurm())
+    assert cl._current is None
+
+
+def _fake_slurm(bin_dir):
+    """sbatch, srun and scancel that run the job on this machine: srun is mpiexec."""
+    tools = {
+        "sbatch": """\
+            #!/bin/sh
+            n=$(sed -n 's/^#SBATCH --ntasks=//p' "$1")
+            out=$(sed -n 's/^#SBATCH --output=//p' "$1")
+            SLURM_NTASKS=$n sh "$1" > "$out" 2>&1 < /dev/null &
+            echo "Submitted batch job 4242"
+            """,
+        "srun": f'#!/bin/sh\nexec {launch.find_mpiexec()} -n "$SLURM_NTASKS" "$@"\n',
+        "scancel": '#!/bin/sh\necho "$@" >> "$(dirname "$0")/cancelled"\n',
+    }
+    for name, text in tools.items():
+        path = bin_dir / name
+        path.write_text(textwrap.dedent(text))
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_engines_started_as_a_slurm_job_are_one_mpi_job(tmp_path, monkeypatch):
+    """ipyparallel's Slurm launcher, with sbatch and srun played by this machine."""
+    _fake_slurm(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv(cl.SLURM_ENV, f"partition=ws account=course time=00:05:00 "
+                                     f"folder={tmp_path / 'shared'}")
+    mc = start_cluster(2, timeout=120)  # as an unchanged lesson would call it
+    try:
+        script = (mc.folder / "slurm_engine.sbatch").read_text()
+        assert mc.folder.parent == tmp_path / "shared"
+        for option in ("--ntasks=2", "--partition=ws", "--account=course", "--time=00:05:00",
+                       f"--output={mc.folder}"):
+            assert f"#SBATCH {option}" in script, script
+        srun = next(line for line in script.splitlines() if line.startswith("srun "))
+        assert srun.split()[-1] == "--mpi"
+        assert mc.n == 2 and [e.size for e in mc.engines] == [2, 2]
+        mc.view.execute("from mpi4py import MPI\ntotal = MPI.COMM_WORLD.allreduce(1)")
+        assert mc.view.pull("total") == [2, 2]  # the engines really are one MPI job
+    finally:
+        stop_cluster()
+    assert (tmp_path / "cancelled").read_text().split() == ["4242"]  # the job was cancelled
+    assert not mc.folder.exists() and not cluster_processes()

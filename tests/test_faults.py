@@ -6,6 +6,7 @@ timeout or seconds, and leave no process and no file behind.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import signal
@@ -22,6 +23,8 @@ import psutil
 import pytest
 from IPython.paths import get_ipython_dir
 
+from pcourse.backends import BACKENDS, backend_class
+from pcourse.backends.base import DEFAULT_TIMEOUT, TIMEOUT_ENV, collective_timeout
 from pcourse.cluster import ClusterError, start_cluster, stop_cluster
 from pcourse.cluster.launch import mpirun
 
@@ -59,6 +62,77 @@ def test_a_hung_rank_is_found_within_the_collective_timeout(tmp_path: Path) -> N
     assert gave_up.group(2).startswith("CollectiveTimeout: rank 1: allreduce did not complete "
                                        "within 2 s")
     assert "restart" in gave_up.group(2)  # and says what to do
+
+
+HUNG_BY_DEFAULT = """
+import time
+import torch
+from mpi4py import MPI
+from pcourse.backends import make_backend
+
+CASES = [("mpi", "broadcast"), ("mpi", "barrier"), ("mpi-pickle", "allreduce"),
+         ("mpi-pickle", "broadcast")]
+backends = [make_backend(name) for name, _ in CASES]  # no timeout given: the default
+if MPI.COMM_WORLD.rank == 1:
+    for backend, (name, collective) in zip(backends, CASES):
+        call = {"allreduce": lambda: backend.allreduce(torch.ones(4), check=False),
+                "broadcast": lambda: backend.broadcast(torch.ones(4), root=0, check=False),
+                "barrier": backend.barrier}[collective]
+        start = time.monotonic()
+        try:
+            call()
+            print(f"{name} {collective}: returned", flush=True)
+        except Exception as exc:
+            took = time.monotonic() - start
+            print(f"{name} {collective}: gave up after {took:.1f} s: {type(exc).__name__}: {exc}",
+                  flush=True)
+        try:
+            call()
+        except RuntimeError as exc:
+            print(f"{name} {collective}: then {exc}", flush=True)
+    MPI.COMM_WORLD.Abort(1)  # ends rank 0's wait too
+else:
+    time.sleep(120)  # rank 0 never joins any of them
+"""
+
+
+@pytest.mark.mpi
+def test_a_hung_rank_is_found_within_the_default_deadline_in_every_mpi_collective(
+        tmp_path: Path) -> None:
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG_BY_DEFAULT)
+    done = mpirun(2, [str(script)], timeout=90, check=False,
+                  env={TIMEOUT_ENV: "2"})  # the default deadline, scaled down
+    for name, collective in [("mpi", "broadcast"), ("mpi", "barrier"),
+                             ("mpi-pickle", "allreduce"), ("mpi-pickle", "broadcast")]:
+        gave_up = re.search(rf"^{name} {collective}: gave up after ([\d.]+) s: (.*)$",
+                            done.stdout, re.MULTILINE)
+        assert gave_up, done.stdout[-3000:]
+        assert 2 <= float(gave_up.group(1)) < 12  # the deadline, not sooner; shared machine
+        assert gave_up.group(2).startswith(f"CollectiveTimeout: rank 1: {collective} did not "
+                                           "complete within 2 s")
+        # and the backend, now out of step with its peers, says so instead of mixing data
+        assert f"{name} {collective}: then this {name} backend stopped waiting in a " \
+               f"{collective}" in done.stdout, done.stdout[-3000:]
+
+
+def test_the_default_deadline_is_one_setting_for_every_backend(monkeypatch) -> None:
+    for name in BACKENDS:
+        timeout = inspect.signature(backend_class(name).__init__).parameters["timeout"]
+        assert timeout.default is None, name  # None: collective_timeout() decides
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert collective_timeout() == DEFAULT_TIMEOUT
+    assert collective_timeout(5) == 5.0
+    monkeypatch.setenv(TIMEOUT_ENV, "7.5")
+    assert collective_timeout() == 7.5
+    assert collective_timeout(3) == 3.0  # an explicit timeout wins
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        monkeypatch.setenv(TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=f"{TIMEOUT_ENV} must be a positive number"):
+            collective_timeout()
+    for bad in (0, -2.0, True, "10"):
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            collective_timeout(bad)
 
 
 # --- every way of ending the notebook or script that owns a cluster --------------------
@@ -141,6 +215,42 @@ def test_stop_after_the_controller_was_killed_leaves_nothing_behind() -> None:
                                        for p in ours), 10)
 
 
+# --- a benchmark launcher that is told to stop --------------------------------------
+
+FAKE_SOURCE = """
+import os, pathlib, time
+pathlib.Path(os.environ["FAKE_SOURCE_PIDS"], str(os.getpid())).touch()
+time.sleep(600)  # a long training run
+"""
+
+
+@pytest.mark.mpi
+def test_versus_source_runs_the_source_on_loopback_and_ends_it_on_sigterm(
+        tmp_path: Path) -> None:
+    source, pids, mark = tmp_path / "parallel-nn", tmp_path / "pids", uuid.uuid4().hex
+    source.mkdir()
+    pids.mkdir()
+    (source / "main_franke.py").write_text(FAKE_SOURCE)
+    versus = subprocess.Popen(
+        [sys.executable, "-m", "pcourse.bench", "versus-source", "--source", str(source),
+         "--rounds", "1", "--ranks", "2", "--epochs", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "FAKE_SOURCE_PIDS": str(pids), "PCOURSE_TEST_OWNER": mark})
+    try:
+        assert _wait_until(lambda: len(list(pids.iterdir())) == 2, 60), "the source never ran"
+        listening = {(p.name(), c.laddr.ip) for p in _owned(mark, versus.pid)
+                     for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        assert {ip for _, ip in listening} <= {"127.0.0.1", "::1"}, listening
+        versus.send_signal(signal.SIGTERM)  # a closed terminal, a scheduler's stop
+        versus.wait(timeout=30)
+        assert _wait_until(lambda: not _owned(mark, versus.pid), 15), _owned(mark, versus.pid)
+    finally:
+        versus.kill()
+        versus.wait()
+        for proc in _owned(mark, versus.pid):  # leave the machine clean even when failing
+            proc.kill()
+
+
 # --- interrupts ----------------------------------------------------------------------
 
 
@@ -157,35 +267,43 @@ import time
 import torch
 from pcourse.backends import make_backend
 
-backend = make_backend("mpi")
+backend = make_backend({name!r})
 t = torch.ones(1000)
 while True:
-    backend.allreduce(t)
+    {call}
     if rank == 0:
-        time.sleep(0.001)  # rank 0 lags: an interrupt finds rank 1 waiting in the allreduce
+        time.sleep(0.001)  # rank 0 lags: an interrupt finds rank 1 waiting in the collective
 """
+# check=False: the collective itself, not the agreement check before it, is what waits.
+CALLS = {"allreduce": "backend.allreduce(t, check=False)",
+         "broadcast": "backend.broadcast(t, root=0, check=False)", "barrier": "backend.barrier()"}
 
 
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_an_interrupt_mid_allreduce_leaves_the_cluster_usable(mc) -> None:
-    running = mc.view.execute(LOOP, block=False)
+@pytest.mark.parametrize("name, collective", [
+    ("mpi", "allreduce"), ("mpi", "broadcast"), ("mpi", "barrier"),
+    ("mpi-pickle", "allreduce"), ("mpi-pickle", "broadcast"), ("gloo", "allreduce"),
+])
+def test_an_interrupt_mid_collective_leaves_the_cluster_usable(mc, name, collective) -> None:
+    running = mc.view.execute(LOOP.format(name=name, call=CALLS[collective]), block=False)
     time.sleep(1.0)
     assert not running.done()
     mc.client.send_signal("SIGINT", block=True)  # what %%px does on the stop button
-    assert running.wait(10), "a rank is still blocked in the allreduce"
+    assert running.wait(10), f"a rank is still blocked in the {collective}"
     with pytest.raises(ipp.error.CompositeError, match="KeyboardInterrupt"):
         running.get()
+    assert mc.problem() == ""  # no rank had to be ended
 
-    def sum_of_ranks() -> float:  # the lesson's next cell: a new backend, the same engines
+    def sum_of_ranks(name: str) -> float:  # the lesson's next cell: a new backend, same engines
         import torch
 
         from pcourse.backends import make_backend
 
-        with make_backend("mpi") as backend:
+        with make_backend(name) as backend:
             return backend.allreduce(torch.tensor([backend.rank + 1.0])).item()
 
-    assert mc.view.apply_async(sum_of_ranks).get(timeout=30) == [3.0, 3.0]
+    assert mc.view.apply_async(sum_of_ranks, name).get(timeout=30) == [3.0, 3.0]
 
 
 @pytest.mark.slow

@@ -11,11 +11,13 @@ engine). One run, two workers, one engine cluster each: the tests below read its
 
 from __future__ import annotations
 
+import copy
 import csv
 import importlib.util
 import re
 import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 import nbformat
@@ -53,6 +55,34 @@ def _exercise(name: str) -> nbformat.NotebookNode:
     return nbformat.read(EXERCISES / f"{name}.ipynb", as_version=4)
 
 
+def inject(exercise: nbformat.NotebookNode, codes: list[str]) -> nbformat.NotebookNode:
+    """The exercise with its k-th stub replaced by ``codes[k]`` (indented to fit): a learner."""
+    nb = copy.deepcopy(exercise)
+    k = 0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        lines, out, i = cell.source.split("\n"), [], 0
+        while i < len(lines):
+            if lines[i].strip() != ex.YOUR_CODE:
+                out.append(lines[i])
+                i += 1
+                continue
+            j = i
+            while not lines[j].lstrip().startswith("raise NotImplementedError("):
+                j += 1
+            if k >= len(codes):
+                raise ValueError(f"the exercise has more than {len(codes)} regions to fill")
+            indent = re.match(r"\s*", lines[i]).group(0)
+            out += textwrap.indent(textwrap.dedent(codes[k]).strip("\n"), indent,
+                                   lambda _: True).split("\n")
+            k, i = k + 1, j + 1
+        cell.source = "\n".join(out)
+    if k != len(codes):
+        raise ValueError(f"the exercise has {k} regions to fill, {len(codes)} codes given")
+    return nb
+
+
 def _solved(name: str, codes: list | None = None) -> nbformat.NotebookNode:
     """The exercise filled in: the solution's code, or ``codes`` (RIGHT/UNSOLVED allowed)."""
     real = ex.solution_regions(_solution(name))
@@ -60,7 +90,7 @@ def _solved(name: str, codes: list | None = None) -> nbformat.NotebookNode:
         real[k] if c is wrong.RIGHT else
         'raise NotImplementedError("not written")' if c is wrong.UNSOLVED else c
         for k, c in enumerate(codes)]
-    return ex.inject(_exercise(name), codes)
+    return inject(_exercise(name), codes)
 
 
 def _wrong_learner(name: str, label: str) -> str:
@@ -166,10 +196,10 @@ def test_strip_and_inject_round_trip():
     assert stub == ("def f(x):\n    y = 1\n    # YOUR CODE HERE\n    # Hint: add one\n"
                     "    raise NotImplementedError('add one')")
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(stub)])
-    filled = ex.inject(nb, ["return x - y"])
+    filled = inject(nb, ["return x - y"])
     assert filled.cells[0].source == "def f(x):\n    y = 1\n    return x - y"
     with pytest.raises(ValueError, match="1 regions"):
-        ex.inject(nb, ["a", "b"])
+        inject(nb, ["a", "b"])
 
 
 # ---------------------------------------------------------------- what the learner's code meets
@@ -287,6 +317,43 @@ def test_the_command_line_grades_a_class_and_writes_the_gradebook(tmp_path, caps
     assert not list((tmp_path / "out").glob(".*"))  # written atomically: no temporary left
 
 
+def test_both_modes_find_a_learners_notebook_by_the_same_names(tmp_path, capsys):
+    """NAME__v2 is graded in a class as alone; a copy named for nothing is called renamed."""
+    tampered = _solved(NAMES[1])
+    wrong.drop_check(0)(tampered, None)  # rejected unrun: no engines needed
+    _write(tampered, tmp_path / "ann" / f"{NAMES[1]}__v2.ipynb")
+    _write(tampered, tmp_path / "bob" / f"{NAMES[1]}.ipynb")
+    _write(_exercise(NAMES[1]), tmp_path / "bob" / f"{NAMES[1]}__old.ipynb")
+    _write(_exercise(NAMES[2]), tmp_path / "cat" / "my ring.ipynb")
+    _write(tampered, tmp_path / "cat" / f"{NAMES[1]}__a.ipynb")
+    _write(tampered, tmp_path / "cat" / f"{NAMES[1]}__b.ipynb")
+    rows = {(g.learner, g.exercise): g for g in grade_class(tmp_path)}
+    assert rows["ann", NAMES[1]].status == "tampered"  # found, read and judged
+    assert rows["bob", NAMES[1]].status == "tampered"
+    assert rows["bob", NAMES[1]].notes[0] == f"graded {NAMES[1]}.ipynb, not {NAMES[1]}__old.ipynb"
+    several = rows["cat", NAMES[1]]
+    assert several.status == "invalid" and "several versions" in several.first_failure
+    assert rows["cat", NAMES[2]].status == "renamed"
+    assert "my ring.ipynb" in rows["cat", NAMES[2]].first_failure
+    assert rows["cat", NAMES[2]].total > 0 and rows["ann", NAMES[2]].status == "missing"
+    main([str(tmp_path / "ann" / f"{NAMES[1]}__v2.ipynb"), str(tmp_path / "cat" / "my ring.ipynb")])
+    printed = capsys.readouterr().out
+    assert "removed" in printed and f"renamed: my ring.ipynb looks like {NAMES[2]}" in printed
+
+
+def test_an_unwritable_out_is_refused_before_grading(tmp_path, capsys, monkeypatch):
+    _write(_exercise(NAMES[0]), tmp_path / "ann" / f"{NAMES[0]}.ipynb")
+    graded = []
+    monkeypatch.setattr("pcourse.grading.grade.grade_class", lambda *a: graded.append(a))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for out in (a_file, a_file / "grades"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--class", str(tmp_path), "--out", str(out)])
+        assert exit_.value.code == 2 and "Nothing was graded" in capsys.readouterr().err
+    assert graded == []
+
+
 # ---------------------------------------------------------------- one class, graded once
 
 @pytest.mark.slow
@@ -326,7 +393,7 @@ def test_a_wrong_answer_is_rejected(graded, name, label):
 def test_broken_notebooks_get_rows_of_their_own_and_the_rest_is_graded(graded):
     row = {name: graded[("broken", name)] for name in NAMES}
     assert row[NAMES[0]].status == "invalid" and "JSON" in row[NAMES[0]].first_failure
-    assert row[NAMES[1]].status == "missing" and "renamed" in row[NAMES[1]].first_failure
+    assert row[NAMES[1]].status == "renamed" and "(1).ipynb" in row[NAMES[1]].first_failure
     assert row[NAMES[2]].status == "missing"
     assert row[NAMES[3]].status == "timeout" and "your code" in row[NAMES[3]].first_failure
     assert row[NAMES[4]].status == "crashed" and "kernel died" in row[NAMES[4]].first_failure

@@ -72,7 +72,9 @@ DISTRIBUTIONS = {"torch": "torch", "numpy": "numpy", "mpi4py": "mpi4py", "ipypar
                  "ipyparallel", "matplotlib": "matplotlib", "tqdm": "tqdm", "IPython": "ipython",
                  "nbformat": "nbformat", "nbclient": "nbclient", "psutil": "psutil",
                  "pytest": "pytest",
-                 "cupy": "cupy-cuda12x", "playwright": "playwright"}
+                 "cupy": "cupy-cuda12x", "playwright": "playwright",
+                 "jupyter_client": "jupyter_client",
+                 "jupyter_core": "jupyter_core"}
 
 
 def _imported_modules(folder: Path) -> set[str]:

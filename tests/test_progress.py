@@ -72,15 +72,6 @@ def test_nowhere_to_show_it_shows_nothing(monkeypatch, capsys):
     assert capsys.readouterr() == ("", "")
 
 
-def _train_on_engine(epochs):
-    from pcourse.backends import make_backend
-    from pcourse.loop import train
-    from pcourse.workloads.config import FrankeConfig
-
-    with make_backend("mpi") as backend:
-        return train("franke", backend, FrankeConfig.quick(epochs=epochs)).final_loss
-
-
 @pytest.mark.mpi
 def test_training_on_the_engines_shows_rank_0s_epochs_in_the_notebook(monkeypatch):
     """train() on the engines publishes; the blocking apply shows it, then empties it."""
@@ -95,6 +86,14 @@ def test_training_on_the_engines_shows_rank_0s_epochs_in_the_notebook(monkeypatc
     def display(bundle, raw, display_id):
         shown.append(bundle)
         return Handle()
+
+    def _train_on_engine(epochs):  # local, so cloudpickle sends it by value
+        from pcourse.backends import make_backend
+        from pcourse.loop import train
+        from pcourse.workloads.config import FrankeConfig
+
+        with make_backend("mpi") as backend:
+            return train("franke", backend, FrankeConfig.quick(epochs=epochs)).final_loss
 
     mc = start_cluster(2)
     try:

@@ -94,6 +94,19 @@ def test_plan_keeps_order_fills_blocks_and_says_what_is_left():
     assert not left and sum("break" in r for r in rows) == 3  # 04 fills block 3 alone
 
 
+def test_the_engines_column_follows_the_notebooks_code(tmp_path):
+    nb = new_notebook(cells=[
+        new_code_cell("FULL = False\nN_ENGINES = 4 if FULL else 2"),
+        new_code_cell("mc = start_cluster(N_ENGINES)"),
+        new_code_cell("%%px\nx = start_cluster(99)"),  # magics: not Python, not read
+        new_code_cell("mc = pcourse.cluster.start_cluster(3, timeout=60)\nstart_cluster()")])
+    nbformat.write(nb, tmp_path / "a.ipynb")
+    assert render.engines_started(tmp_path, Path("a.ipynb"), full=False) == [2, 3, None]
+    assert render.engines_started(tmp_path, Path("a.ipynb"), full=True) == [4, 3, None]
+    assert render._engines(tmp_path, Path("a.ipynb"), True) == \
+        "2 → 3 → one per GPU, else 2 / 4 → 3 → one per GPU, else 2"
+
+
 # --- the timing script ------------------------------------------------------------------
 
 def test_switch_to_full_flips_only_the_mode_cell():
@@ -111,8 +124,9 @@ def _course(tmp: Path) -> Path:
     for folder in course.FOLDERS:
         (tmp / folder).mkdir(parents=True)
     mpiexec = Path(sys.executable).parent / "mpiexec"
+    estimate = f"{render.begin(render.ESTIMATE)}\n{render.end(render.ESTIMATE)}"
     lesson = new_notebook(cells=[
-        new_markdown_cell("# 00 · Tiny\n\nfour words of narrative"),
+        new_markdown_cell(f"# 00 · Tiny\n\nfour words of narrative\n\n{estimate}"),
         new_code_cell("FULL = False"),
         # a process that would outlive the kernel: the script must stop it
         new_code_cell("import subprocess, time\n"
@@ -121,7 +135,7 @@ def _course(tmp: Path) -> Path:
                       f"subprocess.run([{str(mpiexec)!r}, '-n', '2', {sys.executable!r}, "
                       "'-c', 'import time; time.sleep(3)'], check=True)\n"
                       "print('mode', 'full' if FULL else 'quick')")])
-    broken = new_notebook(cells=[new_markdown_cell("# 01 · Exercise: broken"),
+    broken = new_notebook(cells=[new_markdown_cell(f"# 01 · Exercise: broken\n\n{estimate}"),
                                  new_code_cell("1 / 0")])
     nbformat.write(lesson, tmp / "notebooks" / "00_tiny.ipynb")
     nbformat.write(broken, tmp / "solutions" / "01_broken.ipynb")
@@ -161,6 +175,8 @@ def test_timing_script_measures_renders_and_leaves_nothing_running(tmp_path):
     row = next(r for r in index.splitlines() if "00_tiny.ipynb" in r)
     assert render.duration(lesson["seconds"]) in row and "a tiny lesson" in row
     assert "failed: ZeroDivisionError" in index
+    first = nbformat.read(root / "notebooks" / "00_tiny.ipynb", as_version=4).cells[0].source
+    assert "**Estimated time:**" in first and render.duration(lesson["seconds"]) in first
     assert all(p.read_text() == t for p, t in render.updated(data, root).items())
 
 

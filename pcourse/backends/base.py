@@ -13,12 +13,21 @@ pass ``check=False``.
 
 Every backend is built with the same keywords: ``comm`` (what the ranks talk over;
 default: the whole job), ``device`` (default: this rank's own) and ``timeout``
-(seconds a collective may take, where the library can enforce one).
+(seconds a collective may wait for the other ranks; default :func:`collective_timeout`).
+
+Nothing waits forever, and nothing waits deaf: a rank that waits for its peers does
+so where an interrupt (JupyterLab's stop button, Ctrl-C) stops it at once, and after
+``timeout`` seconds a peer that never came is an error. A rank that gave up on a
+collective either way may be one collective out of step with its peers, so its
+backend refuses further use: create a new one on every rank.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,13 +38,40 @@ if TYPE_CHECKING:  # annotations only: listing the backends loads no torch
 from pcourse.utils.agree import MismatchError, agree
 
 OPS = ("sum", "avg", "max", "min", "prod")
+# Long enough for the longest wait the course has for a live peer (a rank that
+# imports torch or loads its data while the others already wait, a 64 MiB pickled
+# allreduce on an oversubscribed laptop), short enough that an unattended hang ends.
+# At a notebook the stop button ends a wait at once.
+DEFAULT_TIMEOUT = 120.0
+TIMEOUT_ENV = "PCOURSE_COLLECTIVE_TIMEOUT"
 
-__all__ = ["OPS", "AsyncBackend", "Backend", "BackendUnavailable", "MismatchError", "Work",
-           "check_avg_dtype", "check_op"]
+__all__ = ["DEFAULT_TIMEOUT", "OPS", "TIMEOUT_ENV", "AsyncBackend", "Backend",
+           "BackendUnavailable", "MismatchError", "Pending", "Work", "check_avg_dtype",
+           "check_op", "collective_timeout"]
 
 
 class BackendUnavailable(RuntimeError):
     """This machine cannot run the requested backend; the message says why."""
+
+
+def collective_timeout(timeout: float | None = None) -> float:
+    """Seconds a collective may wait for the other ranks: ``timeout`` if given, else
+    ``$PCOURSE_COLLECTIVE_TIMEOUT``, else :data:`DEFAULT_TIMEOUT`. Every backend's default."""
+    source = "timeout"
+    if timeout is None:
+        text = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not text:
+            return DEFAULT_TIMEOUT
+        source = f"${TIMEOUT_ENV}"
+        try:
+            timeout = float(text)
+        except ValueError:
+            timeout = math.nan
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) \
+            or not 0 < timeout < math.inf:
+        raise ValueError(f"{source} must be a positive number of seconds, got {timeout!r}"
+                         + (f" (from {text!r})" if source != "timeout" else ""))
+    return float(timeout)
 
 
 class Work:
@@ -43,6 +79,26 @@ class Work:
 
     def wait(self) -> None:  # a completed operation: nothing to wait for
         return None
+
+
+class Pending(Work):
+    """A started collective: ``wait()`` calls ``wait_for`` once, then ``finish``.
+
+    ``keep`` holds what the library writes into until the operation is done.
+    """
+
+    def __init__(self, wait_for: Callable[[], None], finish: Callable[[], None] | None = None,
+                 keep: tuple = ()) -> None:
+        self._wait_for, self._finish, self._keep = wait_for, finish, keep
+
+    def wait(self) -> None:
+        if self._wait_for is None:
+            return
+        self._wait_for()
+        self._wait_for = None
+        if self._finish is not None:
+            self._finish()
+        self._keep = ()
 
 
 def check_op(op: str) -> str:
@@ -88,6 +144,8 @@ class Backend(ABC):
     device: torch.device  # where this backend wants the tensors it reduces
     any_device: bool = False  # True: takes tensors on any device (stages them itself)
     needs_gpu: bool = False  # True: runs only with one GPU per rank
+    timeout: float  # seconds a collective may wait for the other ranks
+    _gave_up: str = ""  # the collective this rank stopped waiting for (see module docstring)
 
     @abstractmethod
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", *,
@@ -120,6 +178,22 @@ class Backend(ABC):
     def close(self) -> None:
         """Release communicators; the backend must not be used afterwards."""
         return None
+
+    def _wait_for(self, wait: Callable[[], None], what: str) -> None:
+        """Run ``wait``, a wait for the other ranks; if it ends early (an interrupt, the
+        deadline, a failure), this backend is out of step and refuses further use."""
+        try:
+            wait()
+        except BaseException:
+            self._gave_up = what
+            raise
+
+    def _check_in_step(self) -> None:
+        if self._gave_up:
+            raise RuntimeError(
+                f"this {self.name} backend stopped waiting in a {self._gave_up} (interrupted, "
+                "or the other ranks never came), so its ranks may be out of step: create a "
+                "new backend on every rank (make_backend)")
 
     def _check_tensor(self, tensor: torch.Tensor, op: str | None) -> None:
         """This backend's local refusals (a device it cannot use, a dtype it lacks)."""

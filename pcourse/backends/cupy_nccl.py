@@ -7,6 +7,10 @@ involved: ``allReduce`` runs on raw device pointers, enqueued on torch's current
 CUDA stream so that it is ordered after the kernels that produced the gradients
 and before those that use them, without any synchronisation of our own.
 
+NCCL's kernels run on the stream while the CPU goes on, so the backend itself waits
+only for the agreement check's result and in ``barrier``: interruptibly, and at most
+``timeout`` seconds (a hang elsewhere shows where torch next synchronises with the GPU).
+
 CuPy is imported only inside the constructor: ``import pcourse`` must work on a
 laptop without CUDA, where CuPy may be missing or fail at its first CUDA call.
 """
@@ -16,9 +20,11 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+import numpy as np
 import torch
 
-from pcourse.backends.base import Backend, BackendUnavailable, private_comm
+from pcourse.backends.base import Backend, BackendUnavailable, collective_timeout, private_comm
+from pcourse.cluster.interrupts import wait_until
 
 # torch dtype -> name of the constant in cupy.cuda.nccl (looked up lazily).
 DTYPES = {
@@ -57,7 +63,7 @@ class CupyNCCLBackend(Backend):
         from pcourse.backends.torch_dist import pick_gpu, socket_ifname
 
         self._nccl = nccl
-        self.timeout = timeout  # NCCL via CuPy has none; the launch deadline applies
+        self.timeout = collective_timeout(timeout)
         mpi = private_comm(comm, self.name)
         try:
             self.rank, self.size = mpi.Get_rank(), mpi.Get_size()
@@ -77,6 +83,7 @@ class CupyNCCLBackend(Backend):
     def _live(self) -> Any:
         if self._comm is None:
             raise RuntimeError("this nccl-cupy backend was closed or replaced; use the newest")
+        self._check_in_step()
         return self._comm
 
     def _dtype(self, dtype: torch.dtype) -> int:
@@ -126,13 +133,25 @@ class CupyNCCLBackend(Backend):
 
     def barrier(self) -> None:
         # An allreduce of one element: returns only once every rank has joined it.
-        flag = torch.ones(1, device=self.device)
-        self.allreduce(flag, check=False)
-        torch.cuda.current_stream(self.device).synchronize()
+        self.allreduce(torch.ones(1, device=self.device), check=False)
+        self._sync("barrier")
+
+    def max_over_ranks(self, v: np.ndarray) -> np.ndarray:
+        t = self.allreduce(torch.from_numpy(v).to(self.device), "max", check=False)
+        self._sync("agreement check")
+        return t.cpu().numpy()
+
+    def _sync(self, what: str) -> None:
+        """Wait until the stream's work so far is done: interruptibly, with the deadline."""
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        self._wait_for(lambda: wait_until(done.query, self.timeout, what), what)
 
     def close(self) -> None:
         global _current
-        if getattr(self, "_comm", None) is not None:
+        if getattr(self, "_comm", None) is not None and self._gave_up:
+            self._comm.abort()  # its kernels wait for peers that never come: end them
+        elif getattr(self, "_comm", None) is not None:
             torch.cuda.synchronize(self.device)
             self._comm.destroy()
         self._comm = None

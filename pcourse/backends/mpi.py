@@ -9,21 +9,29 @@ the buffer protocol: no pickling, no new tensor, which is why the buffer backend
 the fast one on CPU.
 
 Both take tensors on any device: what MPI cannot read in place is staged through
-host memory. MPI has no timeouts of its own: a rank that never joins a collective
-blocks the others forever. The buffer backend's allreduce waits through
-``pcourse.cluster.interrupts.wait_request``: an interrupt stops it, and ``timeout``
-seconds without the other ranks raise CollectiveTimeout. Elsewhere the deadline
-comes from the launch (``pcourse.cluster.launch.mpirun``, the engine cluster).
+host memory. MPI has no timeouts of its own, and a blocking MPI call cannot be
+interrupted: a rank that never joins a collective would block the others forever,
+deaf to the stop button. So every collective here is MPI's nonblocking one
+(``Iallreduce``, ``Ibcast``, ``Ibarrier``), waited for by
+``pcourse.cluster.interrupts.wait_request``: an interrupt stops the wait, and
+``timeout`` seconds without the other ranks raise CollectiveTimeout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
-from pcourse.backends.base import AsyncBackend, Backend, Work, private_comm
+from pcourse.backends.base import (
+    AsyncBackend,
+    Backend,
+    Pending,
+    Work,
+    collective_timeout,
+    private_comm,
+)
 from pcourse.cluster.interrupts import wait_request
 
 
@@ -36,7 +44,7 @@ def _default_device() -> torch.device:
 
 
 class _MPICommBackend(Backend):
-    """What both MPI modes share: a private communicator and barrier."""
+    """What both MPI modes share: a private communicator, waits, and barrier."""
 
     any_device = True
 
@@ -45,21 +53,26 @@ class _MPICommBackend(Backend):
         from mpi4py import MPI
 
         self._MPI = MPI
+        self.timeout = collective_timeout(timeout)  # a bad value fails before any communication
         self.comm = private_comm(comm, self.name)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.device = torch.device(device) if device is not None else _default_device()
-        self.timeout = timeout  # see the module docstring: the launch enforces it
 
     def _check_tensor(self, tensor: torch.Tensor, op: str | None) -> None:
         if op is not None and tensor.dtype == torch.bool:
             raise TypeError("cannot reduce bool tensors across ranks; convert to uint8")
 
     def barrier(self) -> None:
-        self._live().Barrier()
+        self._wait(self._live().Ibarrier(), "barrier")
+
+    def _wait(self, request: Any, what: str) -> None:
+        """Wait for a nonblocking MPI operation: interruptibly, with the deadline."""
+        self._wait_for(lambda: wait_request(request, self.timeout, what), what)
 
     def _live(self) -> Any:
         if self.comm is None:
             raise RuntimeError(f"{self.name} backend was closed; create a new one")
+        self._check_in_step()
         return self.comm
 
     def close(self) -> None:
@@ -92,7 +105,7 @@ class MPIBackend(_MPICommBackend, AsyncBackend):
             if staged:
                 tensor.detach().copy_(host)
 
-        return _RequestWork(request, finish, keep=(tensor, host), timeout=self.timeout)
+        return Pending(lambda: self._wait(request, "allreduce"), finish, keep=(tensor, host))
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0, *,
                   check: bool = True) -> torch.Tensor:
@@ -103,7 +116,7 @@ class MPIBackend(_MPICommBackend, AsyncBackend):
             raw = raw.view(torch.int16)  # same bits; a type numpy and MPI know
         elif raw.dtype == torch.bool:
             raw = raw.view(torch.uint8)
-        self._live().Bcast(raw.numpy(), root=root)
+        self._wait(self._live().Ibcast(raw.numpy(), root=root), "broadcast")
         if staged:
             tensor.detach().copy_(host)
         return tensor
@@ -132,23 +145,6 @@ def _mpi_has_float16() -> bool:
     return getattr(MPI, "_typedict", {}).get("e") not in (None, MPI.DATATYPE_NULL)
 
 
-class _RequestWork(Work):
-    """A pending ``Iallreduce``: wait for it, then copy back what was staged."""
-
-    def __init__(self, request: Any, finish: Callable[[], None], keep: tuple,
-                 timeout: float | None = None) -> None:
-        self._request, self._finish, self._timeout = request, finish, timeout
-        self._keep = keep  # the buffers MPI writes into must outlive the request
-
-    def wait(self) -> None:
-        if self._request is None:
-            return
-        wait_request(self._request, self._timeout, "allreduce")  # interruptible, with a deadline
-        self._request = None
-        self._finish()
-        self._keep = ()
-
-
 class MPIPickleBackend(_MPICommBackend):
     """The source's way: lowercase ``comm.allreduce`` of the tensor, copied to the CPU.
 
@@ -156,6 +152,11 @@ class MPIPickleBackend(_MPICommBackend):
     returns a new tensor, which is copied back into the caller's. Python's ``max``
     cannot compare tensors elementwise, so MAX and MIN use user-defined MPI ops
     built on ``torch.maximum`` / ``torch.minimum``.
+
+    mpi4py's lowercase collectives block inside MPI, where no interrupt reaches
+    them, and it has no nonblocking ones for objects. So :meth:`allreduce_objects`
+    and :meth:`bcast_object` do what ``comm.allreduce`` and ``comm.bcast`` do, with
+    mpi4py's own pickle, on nonblocking MPI.
     """
 
     name = "mpi-pickle"
@@ -172,7 +173,7 @@ class MPIPickleBackend(_MPICommBackend):
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", *,
                   check: bool = True) -> torch.Tensor:
         self._agree(tensor, check, op=op)
-        result = self._live().allreduce(tensor.detach().cpu(), op=self._ops[op])
+        result = self.allreduce_objects(tensor.detach().cpu(), self._ops[op])  # comm.allreduce
         if op == "avg":
             result = result / self.size
         tensor.detach().copy_(result)
@@ -182,8 +183,55 @@ class MPIPickleBackend(_MPICommBackend):
                   check: bool = True) -> torch.Tensor:
         self._agree(tensor, check, root=root)
         mine = tensor.detach().cpu() if self.rank == root else None
-        tensor.detach().copy_(self._live().bcast(mine, root=root))
+        theirs = self.bcast_object(mine, root)  # comm.bcast
+        if self.rank != root:
+            tensor.detach().copy_(theirs)
         return tensor
+
+    def allreduce_objects(self, obj: Any, op: Any) -> Any:
+        """``comm.allreduce(obj, op)`` as mpi4py runs it: up a binomial tree, then broadcast.
+
+        Each rank reduces what the ranks above it send (pickled) into its own with
+        ``op`` and sends the result down, until rank 0 holds the reduction of all,
+        in rank order; rank 0's result is then broadcast to every rank, pickled.
+        """
+        mask = 1
+        while mask < self.size:
+            if self.rank & mask:  # my part is in: hand it to the rank that collects it
+                self._send_object(obj, self.rank - mask)
+                break
+            if self.rank + mask < self.size:
+                obj = op(obj, self._recv_object(self.rank + mask))
+            mask <<= 1
+        return self.bcast_object(obj if self.rank == 0 else None, 0, what="allreduce")
+
+    def _send_object(self, obj: Any, dest: int) -> None:
+        """mpi4py's ``comm.send`` in a collective: the pickle's length, then the pickle."""
+        data = self._MPI.pickle.dumps(obj)
+        count = np.array([len(data)], dtype=np.int64)
+        comm = self._live()
+        self._wait(comm.Isend(count, dest), "allreduce")
+        self._wait(comm.Isend(data, dest), "allreduce")
+
+    def _recv_object(self, source: int) -> Any:
+        count, comm = np.empty(1, dtype=np.int64), self._live()
+        self._wait(comm.Irecv(count, source), "allreduce")
+        data = bytearray(int(count[0]))
+        self._wait(comm.Irecv(data, source), "allreduce")
+        return self._MPI.pickle.loads(data)
+
+    def bcast_object(self, obj: Any, root: int, *, what: str = "broadcast") -> Any:
+        """``comm.bcast(obj, root)`` as mpi4py runs it: the pickle's length, then the pickle.
+
+        The root keeps its own object (mpi4py's gets an unpickled copy). ``what``
+        names the collective in a timeout's message."""
+        comm = self._live()
+        data = self._MPI.pickle.dumps(obj) if self.rank == root else b""
+        count = np.array([len(data)], dtype=np.int64)
+        self._wait(comm.Ibcast(count, root=root), what)
+        buf = data if self.rank == root else bytearray(int(count[0]))
+        self._wait(comm.Ibcast(buf, root=root), what)
+        return obj if self.rank == root else self._MPI.pickle.loads(buf)
 
     def close(self) -> None:
         if self.comm is not None and not self._MPI.Is_finalized():

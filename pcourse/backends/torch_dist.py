@@ -25,8 +25,10 @@ Nothing listens beyond this machine unless a run asks for it: when the meeting
 address is a loopback address, Gloo and NCCL bind to the loopback interface too,
 unless ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` name another (lesson 09).
 
-Every collective has a deadline: ``timeout`` is the process group's timeout, after
-which a stuck collective raises instead of hanging.
+Every collective has a deadline: ``timeout`` (default:
+:func:`pcourse.backends.base.collective_timeout`) is the process group's timeout,
+after which a stuck collective raises instead of hanging. Gloo's collectives are
+waited for in short slices, so that an interrupt stops the wait between two.
 """
 
 from __future__ import annotations
@@ -42,10 +44,19 @@ from typing import Any
 
 import torch
 
-from pcourse.backends.base import AsyncBackend, BackendUnavailable, Work, private_comm
+from pcourse.backends.base import (
+    AsyncBackend,
+    BackendUnavailable,
+    Pending,
+    Work,
+    collective_timeout,
+    private_comm,
+)
 from pcourse.cluster.rankinfo import gpu_for, launcher, mpi_local_rank, use_gpu
 
-DEFAULT_TIMEOUT = 120.0  # seconds per collective (and for the rendezvous)
+# How long one blocking wait for a Gloo collective lasts: Python runs the handler of an
+# interrupt only between two, so this is how late the stop button can be.
+_SLICE = timedelta(milliseconds=50)
 
 # torch.distributed has one default process group per process. The first backend that
 # needs it creates it; every backend object then gets its *own* group on top of it with
@@ -56,6 +67,7 @@ DEFAULT_TIMEOUT = 120.0  # seconds per collective (and for the rendezvous)
 _users = 0
 _own_default = False
 _address = ""  # host:port of the default group's store, where the ranks met
+_kept: list[Any] = []  # groups with a collective given up on mid-way (see close)
 
 
 class _TorchBackend(AsyncBackend):
@@ -63,13 +75,14 @@ class _TorchBackend(AsyncBackend):
     ifname_var: str  # the environment variable naming the socket interface
 
     def __init__(self, comm: Any = None, *, device: str | torch.device | None = None,
-                 timeout: float = DEFAULT_TIMEOUT) -> None:
+                 timeout: float | None = None) -> None:
         global _users
         import torch.distributed as dist
 
         self._dist = dist
-        self.timeout = timeout
+        self.timeout = collective_timeout(timeout)  # also the rendezvous's
         self.group = None
+        self._given_up: Any = None  # the collective's handle a wait gave up on
         self._owns_group = not isinstance(comm, dist.ProcessGroup)
         if not self._owns_group:  # 1. the caller's group, used as it is
             self.rank, self.size = dist.get_rank(comm), dist.get_world_size(comm)
@@ -84,7 +97,7 @@ class _TorchBackend(AsyncBackend):
         self.address = _address
         with socket_ifname(self.ifname_var, _is_loopback(_address.rpartition(":")[0])):
             self.group = dist.new_group(backend=self.dist_backend,
-                                        timeout=timedelta(seconds=timeout))
+                                        timeout=timedelta(seconds=self.timeout))
             _users += 1
             self._connect()
 
@@ -122,7 +135,16 @@ class _TorchBackend(AsyncBackend):
     def _live(self) -> Any:
         if self.group is None:
             raise RuntimeError(f"this {self.name} backend was closed; create a new one")
+        self._check_in_step()
         return self.group
+
+    def _wait(self, handle: Any, what: str) -> None:
+        """Wait for a collective torch started; an interrupt stops a Gloo wait."""
+        try:
+            self._wait_for(lambda: _wait_work(handle, self.dist_backend == "gloo"), what)
+        except BaseException:
+            self._given_up = handle  # close() must know whether it still runs
+            raise
 
     def allreduce_async(self, tensor: torch.Tensor, op: str = "sum", *,
                         check: bool = True) -> Work:
@@ -132,8 +154,14 @@ class _TorchBackend(AsyncBackend):
         buf = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
         handle = self._dist.all_reduce(buf, op=self._reduce_op(op, native_avg), group=group,
                                        async_op=True)
-        divide = op == "avg" and not native_avg
-        return _TorchWork(handle, tensor, buf, self.size if divide else 0)
+        divide = self.size if op == "avg" and not native_avg else 0
+
+        def finish() -> None:
+            if divide:
+                buf.div_(divide)
+            _copy_back(tensor, buf)
+
+        return Pending(lambda: self._wait(handle, "allreduce"), finish, keep=(tensor, buf))
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0, *,
                   check: bool = True) -> torch.Tensor:
@@ -141,13 +169,13 @@ class _TorchBackend(AsyncBackend):
         buf = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
         # torch names the root by its rank in the default group; ours may be a subgroup.
         src = self._dist.get_global_rank(self._live(), root)
-        self._dist.broadcast(buf, src=src, group=self._live())
-        if buf.data_ptr() != tensor.data_ptr():
-            tensor.detach().copy_(buf)
+        self._wait(self._dist.broadcast(buf, src=src, group=self._live(), async_op=True),
+                   "broadcast")
+        _copy_back(tensor, buf)
         return tensor
 
     def barrier(self) -> None:
-        self._dist.barrier(group=self._live())
+        self._wait(self._dist.barrier(group=self._live(), async_op=True), "barrier")
 
     def close(self) -> None:
         global _users, _own_default
@@ -156,13 +184,21 @@ class _TorchBackend(AsyncBackend):
         if not self._owns_group:  # the caller's group: the caller closes it
             self.group = None
             return
-        # Ranks that tear Gloo down while a peer is still finishing its last
-        # collective can abort ("terminate called without an active exception"):
-        # meet first, so every rank leaves together (bounded by the group timeout).
-        try:
-            self._dist.barrier(group=self.group)
-        except Exception:  # noqa: BLE001 - a dead peer must not stop us releasing ours
-            pass
+        if self._given_up is not None and not self._given_up.is_completed():
+            # A collective this rank stopped waiting for still runs, and whatever frees
+            # its group waits for it to fail (up to the timeout), so the group is kept
+            # for the process's life, and the default group with it.
+            _kept.append(self.group)
+            self.group = None
+            return
+        if not self._gave_up:
+            # Ranks that tear Gloo down while a peer is still finishing its last
+            # collective can abort ("terminate called without an active exception"):
+            # meet first, so every rank leaves together (bounded by the group timeout).
+            try:
+                self.barrier()
+            except Exception:  # noqa: BLE001 - a dead peer must not stop us releasing ours
+                pass
         self._dist.destroy_process_group(self.group)
         self.group = None
         _users -= 1
@@ -177,21 +213,27 @@ class _TorchBackend(AsyncBackend):
                 "min": R.MIN, "prod": R.PRODUCT}[op]
 
 
-class _TorchWork(Work):
-    """A pending torch collective; on wait, finish avg and copy back a staged buffer."""
+def _wait_work(handle: Any, in_slices: bool) -> None:
+    """``handle.wait()``; in slices, so that Python can run an interrupt's handler between.
 
-    def __init__(self, handle: Any, tensor: torch.Tensor, buf: torch.Tensor, divisor: int):
-        self._handle, self._tensor, self._buf, self._divisor = handle, tensor, buf, divisor
-
-    def wait(self) -> None:
-        if self._handle is None:
+    Only for Gloo: NCCL's wait does not block the CPU, it only orders the CUDA stream.
+    """
+    if not in_slices:
+        handle.wait()
+        return
+    while True:
+        try:
+            handle.wait(timeout=_SLICE)  # returns as soon as the collective is done
             return
-        self._handle.wait()
-        self._handle = None
-        if self._divisor:
-            self._buf.div_(self._divisor)
-        if self._buf.data_ptr() != self._tensor.data_ptr():
-            self._tensor.detach().copy_(self._buf)
+        except RuntimeError:
+            if handle.is_completed():  # the collective failed, not the slice
+                raise
+
+
+def _copy_back(tensor: torch.Tensor, buf: torch.Tensor) -> None:
+    """Where a contiguous copy was reduced in place of ``tensor``, copy the result back."""
+    if buf.data_ptr() != tensor.data_ptr():
+        tensor.detach().copy_(buf)
 
 
 class GlooBackend(_TorchBackend):
@@ -211,7 +253,7 @@ class NCCLBackend(_TorchBackend):
     needs_gpu = True
 
     def __init__(self, comm: Any = None, *, device: str | torch.device | None = None,
-                 timeout: float = DEFAULT_TIMEOUT) -> None:
+                 timeout: float | None = None) -> None:
         from pcourse.backends import unavailable_reason
 
         reason = unavailable_reason("nccl")  # before any communication: fails fast, alone

@@ -2,8 +2,9 @@
 
 It times one training step (forward, backward, gradient averaging, optimizer
 step) of the same model on the same data. Each strategy runs on MPI *and* on the
-torch backend (Gloo on CPUs, NCCL on GPUs), so that comparing two rows with the
-same backend shows the strategy alone, and two with the same strategy the backend:
+torch backend (NCCL where every rank has a GPU of its own, else Gloo on the CPU:
+:func:`torch_backend_for`), so that comparing two rows with the same backend shows
+the strategy alone, and two with the same strategy the backend:
 
 =================  ========================  =========================================
 path               backends                  what averages the gradients
@@ -109,6 +110,21 @@ def mnist_missing() -> str:
     return ""
 
 
+def torch_backend_for(device: str, ranks: int) -> tuple[str, str]:
+    """(torch backend, why not NCCL) for ``ranks`` ranks whose own device is ``device``.
+
+    NCCL, on each rank's GPU, when every rank has a GPU of its own; otherwise Gloo,
+    and every path runs on the CPU (Gloo reduces CPU tensors, and the MPI rows must
+    run on the same device to be compared), with the reason NCCL cannot run here.
+    """
+    from pcourse.bench.scaling import skip_reason
+
+    if not device.startswith("cuda"):
+        return "gloo", ""
+    reason = skip_reason("nccl", ranks)
+    return ("gloo", reason) if reason else ("nccl", "")
+
+
 # -- the paths: each returns its own model copy wrapped for one strategy ------------------
 
 def paths(torch_backend: str) -> list[str]:
@@ -192,8 +208,14 @@ def measure_ranks(comm: Any, spec: StepSpec, progress: jobs.Progress) -> None:
     from pcourse.workloads import make_workload
     from pcourse.workloads.config import batch_sizes
 
-    device = torch.device(init_rank().device)
-    torch_backend = "nccl" if device.type == "cuda" else "gloo"
+    mine = init_rank().device
+    # rank 0 decides, so that every rank builds the same paths
+    torch_backend, why = comm.bcast(
+        torch_backend_for(mine, comm.size) if comm.rank == 0 else None, root=0)
+    device = torch.device(mine if torch_backend == "nccl" else "cpu")
+    if why:
+        progress.note(f"no nccl at {comm.size} ranks ({why}): gloo instead, every path "
+                      "on the CPU")
     names = {p.partition("@")[2] for p in paths(torch_backend)} - {"-"}
     backends = {name: make_backend(name, comm=comm) for name in sorted(names)}
     try:

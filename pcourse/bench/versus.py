@@ -9,6 +9,10 @@ clock, our rank job's time without training, and the ratios, with the median and
 range over the rounds. The source is run, never copied into the course.
 Alternating rounds put a busy machine's noise on both alike; the load average
 printed with each round says how busy it was.
+
+Both run as every launcher of the course does (:mod:`pcourse.cluster.launch`): the
+source's ranks start as ``mpirun`` starts ours, listening on loopback only, and a
+SIGTERM to this command (a closed terminal, a scheduler's stop) ends whichever job runs.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,37 +46,31 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(cmd: list[str], cwd: Path, timeout: float) -> tuple[float, str]:
-    """Wall seconds of ``cmd`` and its output; a clear error if it fails."""
-    bin_dir = str(Path(sys.executable).parent)  # the venv's mpiexec first
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed ({done.returncode}):\n"
-                           f"{(done.stdout + done.stderr)[-2000:]}")
-    return wall, done.stdout
-
-
 def source_round(args: argparse.Namespace) -> dict:
-    from pcourse.cluster.launch import find_mpiexec
+    from pcourse.cluster.launch import mpirun
 
     with tempfile.TemporaryDirectory(prefix="pcourse-source-") as tmp:
         copy = Path(tmp) / "parallel-nn"
         shutil.copytree(args.source, copy)
-        wall, out = run([find_mpiexec(), "-n", str(args.ranks), sys.executable, "main_franke.py",
-                         "--comm", "mpi", "--epochs", str(args.epochs)], copy, args.timeout)
+        start = time.perf_counter()
+        out = mpirun(args.ranks, ["main_franke.py", "--comm", "mpi", "--epochs", str(args.epochs)],
+                     timeout=args.timeout, cwd=copy).stdout
+        wall = time.perf_counter() - start
     took = re.findall(r"Training took: ([0-9.]+) sec", out)
     return {"whole": wall, "train": float(took[0]) if took else float("nan")}
 
 
 def our_round(args: argparse.Namespace) -> dict:
+    from pcourse.cluster.launch import MPIJobError, run_in_session
+
     with tempfile.TemporaryDirectory(prefix="pcourse-versus-") as tmp:
-        wall, _ = run([sys.executable, "-m", "pcourse.bench", "franke", "--ranks",
-                       str(args.ranks), "--epochs", str(args.epochs), "--repeats", "1",
-                       "--backends", "mpi", "--out", tmp], Path.cwd(), args.timeout)
+        cmd = [sys.executable, "-m", "pcourse.bench", "franke", "--ranks", str(args.ranks),
+               "--epochs", str(args.epochs), "--repeats", "1", "--backends", "mpi", "--out", tmp]
+        start = time.perf_counter()
+        out, code = run_in_session(cmd, timeout=args.timeout)
+        wall = time.perf_counter() - start
+        if code != 0:
+            raise MPIJobError(f"`{' '.join(cmd)}` failed ({code}):\n{out[-2000:]}")
         with open(Path(tmp) / "franke_strong_phases.csv", newline="") as f:
             phases = {r["phase"]: float(r["seconds"]) for r in csv.DictReader(f)}
     return {"whole": wall, "train": phases["rank job: training"],

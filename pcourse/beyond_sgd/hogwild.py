@@ -1,23 +1,13 @@
 """Hogwild: several processes update one model in shared memory, without locks.
 
-No messages at all: the model's tensors live in shared memory
-(``model.share_memory()``), every worker process computes gradients on its own
-batches and writes its SGD update straight into the shared weights. Updates race;
-a worker may read weights that another is halfway through writing. Hogwild's
-guarantee (Niu, Recht, Ré and Wright, 2011; the source's reference [3]) needs
-*sparse* updates: when each step touches only a few coordinates of a large
-weight vector (sparse SVM, matrix completion), two workers rarely write the same
-coordinate, collisions are rare, and lock-free SGD converges nearly as if the
-steps were serial. The size of a step is not the condition. A dense network, as
-here, violates it: every step writes every weight, so every pair of concurrent
-steps collides. It still trains on this small problem, but without the theory's
-promise; the lesson measures how close it comes to serial SGD.
+:func:`hogwild` trains one model whose tensors live in shared memory
+(``model.share_memory()``) with ``workers`` processes that each write their SGD
+updates straight into it; :func:`serial` is the same number of steps in one process.
+Only processes on one machine share memory. Workers are started with ``spawn``
+(forking a process that holds OpenMP threads can deadlock), have a deadline, and are
+always joined or killed before the function returns.
 
-This works only where the workers share memory: processes on one machine. Across
-machines (MPI, Gloo, NCCL) there is no shared address space, which is why the
-course's other methods send messages. Workers are started with ``spawn`` (a fresh
-interpreter: forking a process that holds OpenMP threads can deadlock), have a
-deadline, and are always joined or killed before the function returns.
+Lesson 08 explains Hogwild's sparsity condition, which this dense network violates.
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
-"""BatchNorm with local or synchronised batch statistics, and what the difference costs.
+"""BatchNorm with local or synchronised batch statistics.
 
-BatchNorm normalises each feature with the mean and variance *of the batch*. In
-data-parallel training each rank sees only its own slice of the global batch, so
-a plain BatchNorm computes statistics over that slice: with 2 samples per rank,
-every normalised feature is -1 or +1, whatever the data. Averaging gradients does
-not repair this; the forward pass already differs from large-batch training, and
-the ranks' running statistics drift apart.
+:class:`SyncBatchNorm1d` normalises with the statistics of the *global* batch, as
+``torch.nn.SyncBatchNorm`` does: each rank's count, mean and variance are gathered
+in one allreduce and combined with Chan, Golub and LeVeque's parallel-variance
+formula (:func:`combine_stats`), and the backward pass allreduces their gradients.
+With ``backend=None`` the same layer uses this rank's statistics only, so an
+experiment that swaps the two changes nothing else. :func:`naive_stats` is the
+E[x²] - E[x]² shortcut, kept to show how it loses the variance.
 
-``SyncBatchNorm1d`` computes the statistics of the *global* batch as
-``torch.nn.SyncBatchNorm`` does: every rank computes the mean, the variance and the
-count of its own slice, the ranks exchange these three (one allreduce that gathers
-every rank's row), and each rank combines them with the parallel-variance formula
-of Chan, Golub and LeVeque:
-
-    mean = Σ n_r m_r / N,        var = Σ n_r (v_r + (m_r - mean)²) / N.
-
-Every term is a sum of non-negative numbers near the size of the variance, so no
-precision is lost. The shortcut E[x²] - E[x]² (one allreduce of Σx, Σx², n) is
-exact in real numbers but subtracts two numbers of the size of mean², which wipes
-out the variance when the mean is large against the spread (:func:`naive_stats`
-keeps it, to show what goes wrong). Through autograd the backward pass allreduces
-the gradients of the exchanged statistics, so each rank's gradient is that of the
-whole batch. With ``backend=None`` the same layer uses local statistics, so an
-experiment that swaps the two changes nothing else.
+Lesson 08 explains why per-rank statistics break small batches and why the
+shortcut cancels.
 """
 
 from __future__ import annotations

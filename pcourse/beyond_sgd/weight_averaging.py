@@ -1,34 +1,13 @@
-"""Averaging weights instead of gradients: local SGD, federated averaging, and its limits.
+"""Averaging weights instead of gradients: local SGD, federated averaging, once at the end.
 
-Exact data-parallel SGD averages *gradients* after every backward pass: one
-model-sized allreduce per step, and every rank holds the same model at all times.
-The source mentions cheaper alternatives that average *parameters* instead:
+:func:`train` runs one of :data:`METHODS` on this rank's shards of Franke's
+regression (:mod:`pcourse.workloads.franke`), with a small network and SGD written
+out by hand (optionally with momentum), so the methods differ only in what they
+average and when; "exact" (gradients averaged every step) is the reference.
+:func:`interpolation_losses` measures the straight path between two models.
 
-- **periodic parameter averaging** (local SGD; Povey, Zhang and Khudanpur, 2014,
-  the source's reference [1]): each rank takes ``k`` SGD steps on its own shard,
-  then the ranks average their weights. One allreduce per ``k`` steps. With ``k = 1``
-  this *is* gradient averaging, because an SGD step is linear in the gradient:
-  mean_r (w - lr g_r) = w - lr mean_r g_r. Momentum keeps it linear: each rank's
-  velocity is a linear function of its gradients, so the mean of the ranks'
-  velocities is the velocity of exact SGD, and the averaged weights are exact even
-  though the velocities themselves are never averaged. Adaptive optimisers (Adam)
-  divide by a running root mean square of *each rank's own* gradients, which is
-  not linear: there the average is not the exact step, and local-SGD variants
-  average or synchronise the optimiser state too.
-- **federated averaging** (McMahan et al., 2017, the source's [2]): each round only a
-  random subset of ranks ("clients") trains for ``k`` steps from the current model;
-  the new model is the weighted mean of the selected ranks' weights, and every
-  rank receives it.
-- **averaging once at the end**: the cheapest, and the one that can go wrong (the
-  source's warning, after Goodfellow, Vinyals and Saxe, 2014, its [4]). Ranks that
-  train apart may drift into different solutions, and the average of two good
-  solutions of a non-convex problem need not be one. With independent
-  initialisations the risk is larger: hidden units can be permuted without changing
-  the function, so unit 3 of one model need not match unit 3 of the other.
-
-Everything runs on Franke's regression problem (``pcourse.workloads.franke``) with a small
-network and SGD written out by hand (optionally with momentum), so the methods differ
-only in what they average and when.
+Lesson 08 explains when averaging weights equals exact SGD (plain SGD and momentum
+at ``k = 1``, not Adam) and why averaging once at the end can fail.
 """
 
 from __future__ import annotations

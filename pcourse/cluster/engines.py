@@ -1,29 +1,29 @@
 """Start an MPI cluster of ipyparallel engines from a notebook, quietly and safely.
 
-One call gives the notebook ``n`` engines that are also the ranks of one MPI job
-(``engines="mpi"``): the notebook drives them through ipyparallel, and they talk
-to each other through MPI, Gloo or NCCL. What this module adds to ipyparallel is
-what a course needs and ipyparallel leaves to the user:
+One call, ``start_cluster(n)``, gives the notebook ``n`` engines that are also the
+ranks of one MPI job: the notebook drives them through ipyparallel (``mc.view``),
+and they talk to each other through MPI, Gloo or NCCL. Where they run:
 
-- deterministic output: progress while the engines start that leaves nothing in
-  the cell afterwards, no timings, no log dumps, so nbval can compare the cells
-  that start and stop a cluster;
-- a clear error with the engines' own log tail when they fail to start, instead
-  of a hang;
-- one cluster per kernel: running the start cell again replaces the old cluster;
-- nothing left behind, however the kernel or script ends: every process of the
-  cluster carries a mark, its files live in a folder of its own, and a watcher
-  process (:mod:`pcourse.cluster.reaper`) ends both if the owner dies;
-- interrupts that land: the stop button (or Ctrl-C) stops every rank; a rank that
-  cannot stop ends the MPI job (:mod:`pcourse.cluster.interrupts`), and the next
-  cell says in one line to restart, which takes a normal start;
-- listeners on loopback only, unless a hostfile asks for several nodes;
-- engines that know their rank, world size, local rank and device.
+- on this machine (the default): ``mpiexec -n N``, every listener on loopback only,
+  at most :func:`~pcourse.cluster.launch.max_engines` unless ``oversubscribe=True``;
+- on the nodes of a hostfile: ``start_cluster(n, hostfile="hosts")`` (lesson 09);
+- as one Slurm job: ``start_cluster(n, slurm=Slurm(...))``, or unchanged lessons
+  with ``$PCOURSE_SLURM`` set (see :class:`Slurm` and INSTRUCTORS.md).
+
+What this module adds to ipyparallel is what a course needs and ipyparallel leaves
+to the user: output that nbval can compare (progress that leaves nothing behind);
+a clear error with the engines' log when they fail to start, instead of a hang; one
+cluster per kernel (a re-run start cell replaces it); nothing left behind however
+the kernel ends (every process carries a mark, a watcher process,
+:mod:`pcourse.cluster.reaper`, ends them if the owner dies); interrupts that land
+(:mod:`pcourse.cluster.interrupts`); engines that know their rank, world size,
+local rank and device.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import re
@@ -43,10 +43,12 @@ from IPython.paths import get_ipython_dir
 from pcourse.cluster.interrupts import INTERRUPT_GRACE
 from pcourse.cluster.launch import Launcher, MPINotFound, find_mpiexec, max_engines, mpi_launcher
 from pcourse.cluster.rankinfo import RankInfo, gpu_count
-from pcourse.cluster.reaper import MARK, end_cluster, kill_marked
+from pcourse.cluster.reaper import MARK, end_cluster, kill_marked, owner_alive
 from pcourse.utils.progress import Bar, latest
 
 START_TIMEOUT = 90.0  # seconds for all engines to register and initialise
+SLURM_START_TIMEOUT = 600.0  # the same under Slurm, where the job may wait in the queue first
+SLURM_ENV = "PCOURSE_SLURM"  # e.g. "partition=ws time=02:00:00": lessons start Slurm jobs
 _FOLDER = re.compile(r"^pcourse-cluster-(\d+)-")  # pcourse-cluster-<owner pid>-<random>
 # What older versions left in IPython's default profile: cluster-pcourse-<pid>-<id>.json ...
 _LEGACY = re.compile(r"^(?:cluster|ipcontroller|engines|ipengine)-?pcourse-(\d+)-[0-9a-f]{8}")
@@ -65,6 +67,44 @@ rank, size, local_rank, device = (
 
 class ClusterError(RuntimeError):
     """The engine cluster could not be started; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Slurm:
+    """Engines as one Slurm job: ``sbatch`` submits it, ``srun`` starts them as one MPI job.
+
+    ``time``, ``partition`` and ``account`` are sbatch's options of those names (empty:
+    the site's default). ``folder`` holds the cluster's files (the job script, the
+    engines' log); the compute nodes write there, so it must be on a file system they
+    share with this machine: the home folder by default, never /tmp. The engines run
+    this same Python (``sys.executable``), so the course's folder must be shared too.
+    """
+
+    time: str = "01:00:00"
+    partition: str = ""
+    account: str = ""
+    folder: str = "~/.cache/pcourse/clusters"
+
+    @classmethod
+    def from_env(cls) -> Slurm | None:
+        """The job ``$PCOURSE_SLURM`` describes (``"partition=ws time=02:00:00"``); None if unset.
+
+        What lets an instructor run the lessons, unchanged, on a Slurm cluster.
+        """
+        text = os.environ.get(SLURM_ENV, "").strip()
+        if not text:
+            return None
+        names = [f.name for f in dataclasses.fields(cls)]
+        given = {}
+        for item in text.split():
+            key, eq, value = item.partition("=")
+            if not eq or key not in names:
+                raise ClusterError(
+                    f"${SLURM_ENV} has {item!r}; it takes space-separated "
+                    f"{', '.join(f'{k}=...' for k in names)} (for example "
+                    f"{SLURM_ENV}='partition=ws time=02:00:00').")
+            given[key] = value
+        return cls(**given)
 
 
 @dataclass
@@ -104,9 +144,6 @@ class MPICluster:
         why = f" ({stuck.group(0)})" if stuck else ""
         return (f"The cluster's {what} stopped{why}. Restart it: run "
                 f"start_cluster({self.n}) again.")
-
-    def stop(self) -> None:
-        stop_cluster(self)
 
 
 class _InterruptibleView(ipp.DirectView):
@@ -179,17 +216,19 @@ def default_engines() -> int:
     return gpu_count() or 2
 
 
-def _check_n(n: int) -> int:
+def _check_n(n: int, here: bool = True, oversubscribe: bool = False) -> int:
+    """``n`` if it is a sane engine count; ``here``: the engines run on this machine."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise ClusterError(f"n must be a whole number of engines, got {n!r}.")
     if n < 1:
         raise ClusterError(f"n must be at least 1 engine, got {n}.")
     limit = max_engines()
-    if n > limit:
+    if here and n > limit and not oversubscribe:
         raise ClusterError(
             f"n={n} engines is far beyond this machine ({os.cpu_count()} CPU cores, "
-            f"{gpu_count()} GPUs; at most {limit} here). Use fewer engines, or start "
-            "engines on several nodes (see notebook 09)."
+            f"{gpu_count()} GPUs; at most {limit} here). Use fewer engines, pass "
+            "oversubscribe=True to insist, or start engines on several nodes "
+            "(hostfile=, slurm=; see notebook 09)."
         )
     return n
 
@@ -221,30 +260,49 @@ def _log_tail(launcher: object, lines: int = 20) -> str:
 def start_cluster(
     n: int | None = None,
     *,
-    timeout: float = START_TIMEOUT,
+    timeout: float | None = None,
     env: dict[str, str] | None = None,
     hostfile: str | os.PathLike[str] | None = None,
+    slurm: Slurm | None = None,
+    oversubscribe: bool = False,
 ) -> MPICluster:
-    """Start ``n`` MPI engines on this machine and return them, ready to use.
+    """Start ``n`` engines, the ranks of one MPI job, and return them ready to use.
 
-    Replaces a cluster this kernel started before. ``env`` adds environment
-    variables for the engines (for example ``GLOO_SOCKET_IFNAME``). Everything
-    listens on loopback only; a ``hostfile`` (MPICH's ``host:slots`` lines) opts in
-    to engines on several nodes, with the controller listening on every interface.
+    ``n`` defaults to one engine per visible GPU, or 2 without GPUs. A cluster this
+    kernel started before is stopped first. ``env`` adds environment variables for
+    the engines (for example ``GLOO_SOCKET_IFNAME``). ``timeout`` bounds the start, in
+    seconds (default 90; 600 under Slurm, where the job may queue first).
+
+    Where the engines run (lesson 09 explains the multi-node cases):
+
+    - by default here, listening on loopback only; more than
+      :func:`~pcourse.cluster.launch.max_engines` only with ``oversubscribe=True``;
+    - ``hostfile`` (MPICH's ``host:slots`` lines): on the nodes it lists, through
+      ``mpiexec -f hostfile``; the controller then listens on every interface;
+    - ``slurm`` (:class:`Slurm`; by default from ``$PCOURSE_SLURM``): as one Slurm job;
+      the controller runs here, listening on every interface.
     """
-    n = default_engines() if n is None else _check_n(n)
+    slurm = Slurm.from_env() if slurm is None and hostfile is None else slurm
+    if slurm is not None and hostfile is not None:
+        raise ClusterError("give either a hostfile or a Slurm job, not both.")
+    here = slurm is None and hostfile is None
+    n = default_engines() if n is None else _check_n(n, here, oversubscribe)
+    timeout = (SLURM_START_TIMEOUT if slurm else START_TIMEOUT) if timeout is None else timeout
     if timeout <= 0:
         raise ClusterError(f"timeout must be positive, got {timeout}.")
     stop_cluster()
     sweep_stale_clusters()
     try:
-        launcher = mpi_launcher(hostfile)
+        launcher = None if slurm else mpi_launcher(hostfile)
     except MPINotFound as exc:
         raise ClusterError(str(exc)) from None
 
-    folder = Path(tempfile.mkdtemp(prefix=f"pcourse-cluster-{os.getpid()}-"))
+    folder = _new_folder(slurm)
     reaper = _start_reaper(folder)
-    cluster = _make_cluster(n, folder, launcher, env or {}, hostfile)
+    if slurm:
+        cluster = _make_slurm_cluster(n, folder, env or {}, slurm)
+    else:
+        cluster = _make_cluster(n, folder, launcher, env or {}, hostfile)
     progress = Bar(n, desc="engines", unit="engine")
     progress.update(0)
     client = None
@@ -270,25 +328,52 @@ def start_cluster(
     return _current
 
 
-def _make_cluster(n: int, folder: Path, launcher: Launcher, env: dict[str, str],
-                  hostfile: str | os.PathLike[str] | None) -> ipp.Cluster:
-    """The ipyparallel cluster, configured but not started: where it listens, what it runs."""
-    mpi_bin = Path(find_mpiexec()).parent
-    path_env = {"PATH": f"{mpi_bin}{os.pathsep}{os.environ.get('PATH', '')}", MARK: str(folder)}
-    cluster = ipp.Cluster(
-        engines="mpi",
+def _new_folder(slurm: Slurm | None) -> Path:
+    """The cluster's own folder (profile, connection files, logs), named after its owner."""
+    parent = None
+    if slurm is not None:  # where the compute nodes can write the engines' log
+        parent = Path(slurm.folder).expanduser()
+        parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"pcourse-cluster-{os.getpid()}-", dir=parent))
+
+
+def _ipp_cluster(engines: str, n: int, folder: Path, everywhere: bool) -> ipp.Cluster:
+    """ipyparallel's cluster, configured but not started; ``everywhere``: other nodes
+    must reach the controller."""
+    return ipp.Cluster(
+        engines=engines,
         n=n,
         profile_dir=str(folder),
         cluster_id="pcourse",
-        controller_ip="127.0.0.1" if hostfile is None else "*",
+        controller_ip="*" if everywhere else "127.0.0.1",
         log_level=logging.WARNING,
         shutdown_atexit=False,  # ours (stop_cluster) is bounded and leaves nothing behind
     )
+
+
+def _make_cluster(n: int, folder: Path, launcher: Launcher, env: dict[str, str],
+                  hostfile: str | os.PathLike[str] | None) -> ipp.Cluster:
+    """The cluster of MPI engines started by ``mpiexec``: where it listens, what it runs."""
+    mpi_bin = Path(find_mpiexec()).parent
+    path_env = {"PATH": f"{mpi_bin}{os.pathsep}{os.environ.get('PATH', '')}", MARK: str(folder)}
+    cluster = _ipp_cluster("mpi", n, folder, everywhere=hostfile is not None)
     cluster.config.MPILauncher.mpi_cmd = launcher.command
     cluster.config.MPIEngineSetLauncher.engine_cmd = [*launcher.wrap, sys.executable, "-m",
                                                       "ipyparallel.engine"]
     cluster.config.MPIEngineSetLauncher.environment = {**path_env, **launcher.env, **env}
     cluster.config.LocalControllerLauncher.environment = path_env
+    return cluster
+
+
+def _make_slurm_cluster(n: int, folder: Path, env: dict[str, str], slurm: Slurm) -> ipp.Cluster:
+    """The cluster of engines started as one Slurm job, by ipyparallel's own launcher."""
+    cluster = _ipp_cluster("slurm", n, folder, everywhere=True)
+    job = cluster.config.SlurmEngineSetLauncher
+    job.engine_args = ["--mpi"]  # each engine joins MPI: srun's tasks become one MPI job
+    job.timelimit, job.queue, job.account = slurm.time, slurm.partition, slurm.account
+    job.batch_file_name = str(folder / "slurm_engine.sbatch")  # not in the notebook's folder
+    job.environment = {MARK: str(folder), **env}
+    cluster.config.LocalControllerLauncher.environment = {MARK: str(folder)}
     return cluster
 
 
@@ -413,29 +498,17 @@ def sweep_stale_clusters() -> list[str]:
     removed = []
     for folder in Path(tempfile.gettempdir()).glob("pcourse-cluster-*"):
         owner = _FOLDER.match(folder.name)
-        if owner and folder.is_dir() and not _alive(int(owner.group(1))):
+        if owner and folder.is_dir() and not owner_alive(int(owner.group(1))):
             end_cluster(str(folder))
             removed.append(str(folder))
     profile = Path(get_ipython_dir()) / "profile_default"
     for sub in ("security", "log"):
         for file in (profile / sub).glob("*pcourse-*"):
             owner = _LEGACY.match(file.name)
-            if owner and not _alive(int(owner.group(1))):
+            if owner and not owner_alive(int(owner.group(1))):
                 file.unlink(missing_ok=True)
                 removed.append(str(file))
     return removed
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # ours, from before: this process has no cluster running now
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 atexit.register(stop_cluster)

@@ -8,7 +8,8 @@ operation completes. Two small tools close the gap:
 
 - :func:`wait_request` waits for a nonblocking MPI operation by polling it, so an
   interrupt stops the wait at once and a peer that never joins is an error after
-  the collective's timeout. Backends call it where they would call ``Wait()``.
+  the collective's timeout. Backends call it where they would call ``Wait()``
+  (:func:`wait_until` polls anything else that can say whether it is done).
 - :func:`watch_interrupts`, run once on every ipyparallel engine, makes an
   interrupt final: a rank still running its cell ``grace`` seconds after SIGINT is
   blocked inside a C call (an MPI call of code that does not poll, most often),
@@ -24,6 +25,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 INTERRUPT_GRACE = 3.0  # seconds a rank has to stop after SIGINT before the job is ended
@@ -42,22 +44,33 @@ def wait_request(request: Any, timeout: float | None = None, what: str = "collec
     completed operation is seen as soon. A request given up on (interrupt or
     timeout) is kept alive: its buffers must outlive any late completion.
     """
-    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        while True:
-            for _ in range(_SPINS):
-                if request.Test():
-                    return
-            _yield()  # as MPI's own Wait does: a peer on the same core needs it to progress
-            if deadline is not None and time.monotonic() > deadline:
-                raise CollectiveTimeout(
-                    f"rank {_rank()}: {what} did not complete within {timeout:g} s: another "
-                    "rank never joined it (it failed, was interrupted, or runs different code). "
-                    "The ranks are out of step now: restart the cluster (start_cluster) or the job."
-                )
+        wait_until(request.Test, timeout, what)
     except BaseException:
         _abandoned.append(request)
         raise
+
+
+def wait_until(done: Callable[[], bool], timeout: float | None = None,
+               what: str = "collective") -> None:
+    """Call ``done()`` until it is true, interruptibly; CollectiveTimeout after ``timeout`` s.
+
+    For any operation that can be asked whether it finished (an MPI request's
+    ``Test``, a CUDA event's ``query``): the thread stays in Python, where an
+    interrupt lands, and yields the core between rounds of polls.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        for _ in range(_SPINS):
+            if done():
+                return
+        _yield()  # as MPI's own Wait does: a peer on the same core needs it to progress
+        if deadline is not None and time.monotonic() > deadline:
+            raise CollectiveTimeout(
+                f"rank {_rank()}: {what} did not complete within {timeout:g} s: another "
+                "rank never joined it (it failed, was interrupted, or runs different code). "
+                "The ranks are out of step now: restart the cluster (start_cluster) or the job."
+            )
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))

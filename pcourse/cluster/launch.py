@@ -154,6 +154,30 @@ def mpirun(
     full_env.update(launcher.env)
     full_env.update(env or {})
     cmd = [*launcher.command, "-n", str(n), *launcher.wrap, sys.executable, *args]
+    out, code = run_in_session(cmd, timeout=timeout, env=full_env, cwd=cwd, echo=echo)
+    killed = _SIGNALED.findall(out or "")
+    if code == 0 and killed:
+        code = 128 + getattr(signal, f"SIG{killed[0].upper()}", signal.SIGKILL)
+    result = subprocess.CompletedProcess(cmd, code, out, "")
+    if check and code != 0:
+        raise MPIJobError(f"`{' '.join(cmd)}` exited with code {code}. Output tail:\n{_tail(out)}")
+    return result
+
+
+def run_in_session(
+    cmd: Sequence[str],
+    *,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    echo: Callable[[str], object] | None = None,
+) -> tuple[str, int]:
+    """Run a launcher command in a session of its own; return its output and exit code.
+
+    Whatever ends it ends everything it started: its exit, the deadline (then
+    MPIJobError, with the output tail), an error here, or SIGTERM/SIGHUP to this
+    process (:func:`ends_with_launcher`). ``echo`` as in :func:`mpirun`.
+    """
     with ends_with_launcher():
         proc = subprocess.Popen(
             cmd,
@@ -161,7 +185,7 @@ def mpirun(
             stderr=subprocess.STDOUT,
             text=True,
             errors="replace",  # a rank cut off mid-character must not cost the rest
-            env=full_env,
+            env=env,
             cwd=cwd,
             start_new_session=True,  # own process group: the deadline reaps every rank
         )
@@ -175,14 +199,7 @@ def mpirun(
             ) from None
         finally:
             kill_group(proc, grace=2.0)
-    code = proc.returncode
-    killed = _SIGNALED.findall(out or "")
-    if code == 0 and killed:
-        code = 128 + getattr(signal, f"SIG{killed[0].upper()}", signal.SIGKILL)
-    result = subprocess.CompletedProcess(cmd, code, out, "")
-    if check and code != 0:
-        raise MPIJobError(f"`{' '.join(cmd)}` exited with code {code}. Output tail:\n{_tail(out)}")
-    return result
+    return out, proc.returncode
 
 
 def _collect(proc: subprocess.Popen, timeout: float, echo: Callable[[str], object] | None) -> str:

@@ -26,11 +26,11 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pcourse.cluster.launch import ends_with_launcher, kill_group
+from pcourse.cluster.reaper import owner_alive
 
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
 IFNAMES = ("veth-a", "veth-b")
@@ -86,24 +86,12 @@ def cleanup(names: Sequence[str] | None = None) -> list[str]:
     or a killed kernel, so a rerun starts clean. Others' namespaces are never touched.
     """
     if names is None:
-        names = [n for n in list_ours() if not _alive(int(_NAME.match(n).group(1)))]
+        names = [n for n in list_ours() if not owner_alive(int(_NAME.match(n).group(1)))]
     deleted = []
     for name in names:
         if _ip("netns", "del", name).returncode == 0:
             deleted.append(name)
     return deleted
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # our own from an earlier, failed attempt: stale too
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def create(tag: int | None = None) -> Nodes:
@@ -129,16 +117,6 @@ def create(tag: int | None = None) -> Nodes:
             cleanup(nodes.names)
             raise NetnsUnavailable(f"`ip {' '.join(step)}` failed: {done.stderr.strip()}")
     return nodes
-
-
-@contextmanager
-def two_nodes(tag: int | None = None) -> Iterator[Nodes]:
-    """The two namespaces for the duration of a ``with`` block, deleted even on error."""
-    nodes = create(tag)
-    try:
-        yield nodes
-    finally:
-        cleanup(nodes.names)
 
 
 @dataclass

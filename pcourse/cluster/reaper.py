@@ -62,6 +62,15 @@ def kill_marked(folder: str, grace: float = 1.0) -> None:
     psutil.wait_procs(alive, timeout=grace)
 
 
+def owner_alive(pid: int) -> bool:
+    """Is the process ``pid``, which named a cluster or namespace after itself, still running?
+
+    This process counts as gone: what it finds under its own name is left from an
+    earlier, failed attempt, since nothing it runs now would be looking for it.
+    """
+    return pid != os.getpid() and psutil.pid_exists(pid)
+
+
 def end_cluster(folder: str) -> None:
     """Kill the cluster's processes, then delete its folder."""
     kill_marked(folder)

@@ -115,38 +115,6 @@ def generate(solution: nbformat.NotebookNode, name: str = "notebook") -> nbforma
     return nb
 
 
-def inject(exercise: nbformat.NotebookNode, codes: list[str]) -> nbformat.NotebookNode:
-    """The exercise with its k-th stub replaced by ``codes[k]`` (indented to fit).
-
-    What the tests use to play a learner: the real solution must pass, wrong ones fail.
-    """
-    nb = copy.deepcopy(exercise)
-    k = 0
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        lines = cell.source.split("\n")
-        out, i = [], 0
-        while i < len(lines):
-            if lines[i].strip() != YOUR_CODE:
-                out.append(lines[i])
-                i += 1
-                continue
-            j = i
-            while not lines[j].lstrip().startswith("raise NotImplementedError("):
-                j += 1
-            if k >= len(codes):
-                raise ValueError(f"the exercise has more than {len(codes)} regions to fill")
-            indent = re.match(r"\s*", lines[i]).group(0)
-            out += textwrap.indent(textwrap.dedent(codes[k]).strip("\n"), indent,
-                                   lambda _: True).split("\n")
-            k, i = k + 1, j + 1
-        cell.source = "\n".join(out)
-    if k != len(codes):
-        raise ValueError(f"the exercise has {k} regions to fill, {len(codes)} codes given")
-    return nb
-
-
 def _comparable(nb: nbformat.NotebookNode) -> list[tuple]:
     """What matters in an exercise: cells, sources, tags, outputs (not ids, timestamps)."""
     cells = []

@@ -21,14 +21,18 @@ few workers, each reusing one engine cluster (:mod:`pcourse.grading.runner`), wi
 time limit per notebook; a notebook that hangs, kills its kernel or an engine gets
 a row saying so, and the others are graded all the same.
 
-A notebook's file name says which exercise it is: ``02_average_gradients.ipynb``, or
-``02_average_gradients__anything.ipynb`` for several versions side by side.
+A notebook's file name says which exercise it is, in both modes alike
+(:func:`exercise_of`): ``02_average_gradients.ipynb``, or
+``02_average_gradients__anything.ipynb``. A notebook named for no exercise whose
+title is an exercise's gets a row saying it was renamed. Arguments, ``--out``
+included, are checked before anything is graded.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import sys
@@ -38,6 +42,7 @@ from pathlib import Path
 
 import nbformat
 
+from pcourse.bench.jobs import BenchError, check_writable, save
 from pcourse.grading import submission
 from pcourse.grading.runner import Executed, Job, run_jobs
 from pcourse.utils.io import write_csv
@@ -45,6 +50,7 @@ from pcourse.utils.io import write_csv
 REPO = Path(__file__).resolve().parents[2]
 SOLUTIONS = REPO / "solutions"
 NOTEBOOK_TIMEOUT = 240.0  # seconds per notebook, kernel start included; a setting, not a measure
+JOBS = max(1, (os.cpu_count() or 2) // 2)  # workers: one per two cores (a kernel, 3 engines)
 EXCEPTION = re.compile(r"raised ([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))")
 
 
@@ -57,7 +63,8 @@ class Grade:
     passed: int = 0  # check cells that printed what the solution printed
     total: int = 0  # check cells in the exercise
     first_failure: str | None = None  # None when every check passed
-    status: str = "graded"  # or: missing, invalid, tampered, syntax, timeout, crashed, error
+    status: str = "graded"  # or: missing, renamed, invalid, tampered, syntax, timeout,
+    #                           crashed, error
     learner: str = ""
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -85,6 +92,50 @@ def exercise_of(path: Path, known: dict[str, Path]) -> str | None:
                                       else None)
 
 
+def looks_like(path: Path, known: dict[str, Path]) -> str | None:
+    """The exercise whose title a notebook has: what a renamed copy still shows."""
+    title = _title(path)
+    return next((name for name, solution in known.items()
+                 if title is not None and _title(solution) == title), None)
+
+
+def find_submission(name: str, files: list[Path], known: dict[str, Path]
+                    ) -> tuple[Path | None, str, str]:
+    """Which of a learner's ``files`` is exercise ``name``.
+
+    ``(path, "", note)`` when one is: ``NAME.ipynb`` first, else the one
+    ``NAME__anything.ipynb`` (the note names versions left ungraded). Otherwise
+    ``(None, status, reason)``: several versions and none plain, a renamed copy
+    (found by its title), or missing.
+    """
+    named = [f for f in files if exercise_of(f, known) == name]
+    plain = [f for f in named if f.stem == name]
+    if plain or len(named) == 1:
+        chosen = (plain or named)[0]
+        others = [f.name for f in named if f != chosen]
+        return chosen, "", (f"graded {chosen.name}, not {', '.join(others)}" if others else "")
+    if named:
+        return None, "invalid", (f"several versions ({', '.join(f.name for f in named)}) and "
+                                 f"none named {name}.ipynb: keep one, or name it so")
+    unnamed = [f for f in files if exercise_of(f, known) is None]
+    renamed = [f for f in unnamed if looks_like(f, known) == name]
+    if renamed:
+        return None, "renamed", _renamed(renamed[0], name)
+    others = f" (other notebooks there: {', '.join(f.name for f in unnamed)})" if unnamed else ""
+    return None, "missing", f"missing: no {name}.ipynb{others}"
+
+
+def _renamed(path: Path, name: str) -> str:
+    return (f"renamed: {path.name} looks like {name}.ipynb; the grader reads only files "
+            f"named as in exercises/ ({name}.ipynb, or {name}__anything.ipynb)")
+
+
+def _checks(solution: Path) -> int:
+    """How many check cells an exercise has."""
+    return sum(submission.CHECK_TAG in c.metadata.get("tags", [])
+               for c in nbformat.read(solution, as_version=4).cells)
+
+
 def _title(path: Path) -> str | None:
     """The first line of a notebook's first markdown cell (None if unreadable)."""
     try:
@@ -98,7 +149,7 @@ def _title(path: Path) -> str | None:
 
 # ---------------------------------------------------------------- grading
 
-def grade(notebooks: list[Path], jobs: int = 2, timeout: float = NOTEBOOK_TIMEOUT,
+def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIMEOUT,
           solutions: Path = SOLUTIONS, learners: list[str] | None = None) -> list[Grade]:
     """Grade every notebook; one Grade each, in order.
 
@@ -111,12 +162,14 @@ def grade(notebooks: list[Path], jobs: int = 2, timeout: float = NOTEBOOK_TIMEOU
         g = Grade(path, name or path.stem, learner=learners[k] if learners else "")
         grades.append(g)
         if name is None:
-            g.status = "invalid"
-            g.first_failure = (f"no exercise is named {path.stem!r}: name the file as in "
-                               "exercises/")
+            like = looks_like(path, known)
+            g.status = "renamed" if like else "invalid"
+            g.first_failure = _renamed(path, like) if like else (
+                f"no exercise is named {path.stem!r}: name the file as in exercises/")
+            g.total = _checks(known[like]) if like else 0
             continue
+        g.total = _checks(known[name])
         solution = nbformat.read(known[name], as_version=4)
-        g.total = sum(submission.CHECK_TAG in c.metadata.get("tags", []) for c in solution.cells)
         try:
             runnable = submission.prepare(submission.read(path), solution, name)
         except submission.Rejected as exc:
@@ -197,63 +250,53 @@ def explain(text: str) -> str:
 
 # ---------------------------------------------------------------- a class
 
-def grade_class(folder: Path, jobs: int = 2, timeout: float = NOTEBOOK_TIMEOUT,
+def grade_class(folder: Path, jobs: int = JOBS, timeout: float = NOTEBOOK_TIMEOUT,
                 solutions: Path = SOLUTIONS) -> list[Grade]:
     """One Grade per learner (a sub-folder) and exercise, learners in name order."""
     known = exercises(solutions)
     learners = sorted(p for p in Path(folder).iterdir()
                       if p.is_dir() and not p.name.startswith((".", "_")))
     rows: list[Grade] = []
-    present: list[tuple[int, Path]] = []
+    present: list[tuple[int, Path, str]] = []  # row, file, note
     for learner in learners:
-        unknown = sorted(p for p in learner.glob("*.ipynb") if p.stem not in known)
+        files = sorted(learner.glob("*.ipynb"))
         for name in known:
-            path = learner / f"{name}.ipynb"
-            rows.append(Grade(path, name, learner=learner.name))
-            if path.is_file():
-                present.append((len(rows) - 1, path))
+            path, status, text = find_submission(name, files, known)
+            rows.append(Grade(path or learner / f"{name}.ipynb", name, learner=learner.name,
+                              total=_checks(known[name])))
+            if path is None:
+                rows[-1].status, rows[-1].first_failure = status, text
             else:
-                rows[-1].status = "missing"
-                rows[-1].first_failure = _missing(name, known[name], unknown)
-    graded = grade([p for _, p in present], jobs, timeout, solutions,
-                   learners=[rows[k].learner for k, _ in present])
-    for (k, _), g in zip(present, graded, strict=True):
+                present.append((len(rows) - 1, path, text))
+    graded = grade([p for _, p, _ in present], jobs, timeout, solutions,
+                   learners=[rows[k].learner for k, _, _ in present])
+    for (k, _, note), g in zip(present, graded, strict=True):
+        g.notes[:0] = [note] if note else []
         rows[k] = g
-    for g in rows:
-        if g.status == "missing":
-            g.total = sum(submission.CHECK_TAG in c.metadata.get("tags", []) for c in
-                          nbformat.read(known[g.exercise], as_version=4).cells)
     return rows
 
 
-def _missing(name: str, solution: Path, unknown: list[Path]) -> str:
-    """Why a learner's notebook is missing, naming a renamed copy if one is there."""
-    title = _title(solution)
-    renamed = [p.name for p in unknown if title and _title(p) == title]
-    if renamed:
-        return (f"missing: {name}.ipynb is not there, but {renamed[0]} looks like it (renamed?); "
-                "the grader reads only files named as in exercises/")
-    others = f" (other notebooks there: {', '.join(p.name for p in unknown)})" if unknown else ""
-    return f"missing: no {name}.ipynb{others}"
-
-
 def write_gradebook(rows: list[Grade], out: Path) -> tuple[Path, Path]:
-    """grades.csv (learner x exercise, with reasons) and gradebook.csv (per learner)."""
-    long = write_csv(out / "grades.csv", [
+    """grades.csv (learner x exercise, with reasons) and gradebook.csv (per learner).
+
+    Written atomically; if ``out`` fails after all (full disk), into a temporary
+    folder instead, said on the terminal: a class's grading is never lost.
+    """
+    long = save(out / "grades.csv", lambda path: write_csv(path, [
         {"learner": g.learner, "exercise": g.exercise, "status": g.status,
          "checks_passed": g.passed, "checks_total": g.total, "passed": int(g.ok),
          "first_failure": g.first_failure or "", "notes": "; ".join(g.notes),
          "seconds": f"{g.seconds:.1f}"} for g in rows],
         ["learner", "exercise", "status", "checks_passed", "checks_total", "passed",
-         "first_failure", "notes", "seconds"])
+         "first_failure", "notes", "seconds"]))
     names = list(dict.fromkeys(g.exercise for g in rows))
     book = []
     for learner, mine in _by_learner(rows).items():
         row = {"learner": learner, **{g.exercise: g.passed for g in mine}}
         row.update(_totals(mine))
         book.append(row)
-    wide = write_csv(out / "gradebook.csv", book,
-                     ["learner", *names, "exercises_passed", "checks_passed", "checks_total"])
+    wide = save(out / "gradebook.csv", lambda path: write_csv(
+        path, book, ["learner", *names, "exercises_passed", "checks_passed", "checks_total"]))
     return long, wide
 
 
@@ -306,9 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="where --class writes grades.csv and gradebook.csv (default: DIR)")
     parser.add_argument("--timeout", type=float, default=NOTEBOOK_TIMEOUT,
                         help=f"seconds per notebook (default {NOTEBOOK_TIMEOUT:g})")
-    parser.add_argument("-j", "--jobs", type=int, default=2,
+    parser.add_argument("-j", "--jobs", type=int, default=JOBS,
                         help="notebooks graded at the same time, each worker with its own "
-                             "engines (default 2)")
+                             f"kernel and 3 engines (default {JOBS}: one per two cores)")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
@@ -322,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("give either notebooks or --class DIR, not both")
         if not args.folder.is_dir():
             parser.error(f"--class {args.folder}: no such folder")
+        try:  # before the grading, which can take a while: never lose it to a typo
+            check_writable(args.out or args.folder)
+        except BenchError as exc:
+            parser.error(f"--out: {exc}. Nothing was graded.")
         rows = grade_class(args.folder, args.jobs, args.timeout)
         if not rows:
             parser.error(f"--class {args.folder}: no learner folders in it")

@@ -1,24 +1,13 @@
 """The source's MNIST variational auto-encoder, its loss, and pictures of what it learnt.
 
 Fully connected, 784→512→256→latent for the encoder (two heads: mean and log
-variance) and the mirror image for the decoder. A latent size of 2 (the default)
-lets us draw the whole latent space as one picture.
+variance) and the mirror image for the decoder, as the source's (``src_mnist/nn.py``);
+the decoder returns logits and the loss uses ``binary_cross_entropy_with_logits``,
+the source's sigmoid + binary cross-entropy computed without overflow. The loss is
+summed per sample, and each sample's reparameterisation noise is looked up by its
+index in a seeded table, so that any number of ranks makes the serial run's updates.
 
-The network and the loss are the source's (``src_mnist/nn.py``, ``main_mnist.py``),
-with one change of form: the source's decoder ends in a sigmoid and its loss is the
-binary cross-entropy of those probabilities; ours returns logits and uses
-``binary_cross_entropy_with_logits``, the same function of the weights computed
-without overflow (the sigmoid is applied where pictures are drawn).
-
-Two choices make data-parallel training give the same updates as serial training:
-
-- the loss is summed over the pixels and the latent dimensions of each sample, and
-  the training loop divides the batch's sum by the batch size (see
-  :mod:`pcourse.loop`), so the average of the ranks' gradients is the gradient of
-  the large batch;
-- the reparameterisation noise belongs to the *sample*, not to the rank: every
-  rank draws the same seeded noise table for the epoch and looks up its rows by
-  sample index, so a sample gets the same noise whichever rank trains on it.
+Lesson 06 trains it and explains both choices.
 """
 
 from __future__ import annotations

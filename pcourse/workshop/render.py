@@ -19,6 +19,7 @@ cell (block :data:`ESTIMATE`), so a lesson and the instructor's plan cannot disa
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 from dataclasses import dataclass
@@ -108,6 +109,59 @@ def _needs_gpu(root: Path, path: Path) -> str:
     return "optional: its NCCL / GPU cells" if _GPU_WORDS.search(code) else "no"
 
 
+def engines_started(root: Path, path: Path, full: bool) -> list[int | None]:
+    """The engine counts a notebook's ``start_cluster`` calls ask for, in order.
+
+    Read from its code, not measured: a literal count, or a name assigned one, as in
+    ``N_ENGINES = 4 if FULL else 2``, with ``FULL`` set to the mode. None for a call
+    without a count (one engine per GPU, else 2) or one this reading cannot follow.
+    """
+    nb = nbformat.read(root / path, as_version=4)
+    names: dict[str, object] = {"FULL": full}
+    counts: list[int | None] = []
+    for cell in nb.cells:
+        try:
+            tree = ast.parse(cell.source) if cell.cell_type == "code" else None
+        except SyntaxError:  # a cell of magics (%%px)
+            tree = None
+        nodes = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Assign | ast.Call)),
+                       key=lambda n: (n.lineno, n.col_offset)) if tree else []
+        for node in nodes:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                    and isinstance(node.targets[0], ast.Name) and node.targets[0].id != "FULL":
+                names[node.targets[0].id] = _value(node.value, names)
+            elif isinstance(node, ast.Call) and _called(node) == "start_cluster":
+                count = _value(node.args[0], names) if node.args else None
+                counts.append(count if isinstance(count, int) else None)
+    return counts
+
+
+def _called(call: ast.Call) -> str:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+
+
+def _value(node: ast.expr, names: dict[str, object]) -> object:
+    """A constant, a known name, or ``a if cond else b`` of those; None otherwise."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        return names.get(node.id)
+    if isinstance(node, ast.IfExp):
+        test = _value(node.test, names)
+        return None if test is None else _value(node.body if test else node.orelse, names)
+    return None
+
+
+def _engines(root: Path, path: Path, has_full: bool) -> str:
+    """The engines column: "2", "2 → 4" (a second cluster), "2 / 4" (quick / full)."""
+    modes = [engines_started(root, path, full) for full in ((False, True) if has_full
+                                                            else (False,))]
+    shown = [" → ".join("one per GPU, else 2" if c is None else str(c) for c in counts)
+             or "none" for counts in modes]
+    return shown[0] if len(set(shown)) == 1 else " / ".join(shown)
+
+
 def _machine(data: dict, mode: str) -> str:
     m = data.get(mode, {}).get("machine")
     if not m:
@@ -147,8 +201,9 @@ def course_index(data: dict, root: Path) -> str:
 
 def lesson_needs(data: dict, root: Path) -> str:
     """The instructor's table: time, ranks, memory and GPUs per notebook, both modes."""
-    lines = ["| notebook | quick mode | full mode | MPI ranks at once (quick / full) "
-             "| peak memory (quick / full) | GPU |", "|---|---|---|---|---|---|"]
+    lines = ["| notebook | quick mode | full mode | engines (quick / full) "
+             "| MPI ranks at once (quick / full) | peak memory (quick / full) | GPU |",
+             "|---|---|---|---|---|---|---|"]
     for e in entries("notebooks", root) + entries("solutions", root):
         full = _has_full(root, e.path)
         quick = _run(data, "quick", e.path)
@@ -157,9 +212,11 @@ def lesson_needs(data: dict, root: Path) -> str:
         memory = " / ".join(f"{r['peak_mib'] / 1024:.1f} GiB" if r else "?"
                             for r in (quick, big))
         lines.append(f"| {e.path.as_posix()} | {_cell(data, 'quick', e.path, full)} | "
-                     f"{_cell(data, 'full', e.path, full)} | {ranks} | {memory} | "
-                     f"{_needs_gpu(root, e.path)} |")
+                     f"{_cell(data, 'full', e.path, full)} | {_engines(root, e.path, full)} | "
+                     f"{ranks} | {memory} | {_needs_gpu(root, e.path)} |")
     lines += ["", f"{_machine(data, 'quick')}.", "", f"{_machine(data, 'full')}.", "",
+              "Engines: what each notebook's `start_cluster` calls ask for, read from its "
+              "code (→: a cell replaces the cluster with a larger one). "
               "Ranks: the most MPI processes alive at once (engines and the MPI jobs a cell "
               "launches); fewer cores than ranks still works, only slower. Memory: the "
               "peak of the kernel's and all its processes' resident memory added up "
