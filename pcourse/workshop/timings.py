@@ -150,6 +150,7 @@ def measure(path: Path, full: bool = False, cell_timeout: float = CELL_TIMEOUT) 
         status = f"a cell ran longer than {cell_timeout:.0f} s"
     except CellExecutionError as exc:
         status = f"failed: {exc.ename}"
+        print(f"{path.name}: {exc.ename}: {exc.evalue}", file=sys.stderr, flush=True)  # why
     finally:
         seconds = time.perf_counter() - start
         sampler.stop()
