@@ -27,6 +27,7 @@ from pcourse.backends import BACKENDS, backend_class
 from pcourse.backends.base import DEFAULT_TIMEOUT, TIMEOUT_ENV, collective_timeout
 from pcourse.cluster import ClusterError, start_cluster, stop_cluster
 from pcourse.cluster.launch import mpirun
+from pcourse.cluster.reaper import sweep_mpi_segments
 
 # --- a hung rank ---------------------------------------------------------------------
 
@@ -343,3 +344,51 @@ def test_an_interrupt_that_cannot_stop_a_rank_says_restart_and_restart_works(mc)
         assert again.view.pull("size") == [2, 2]
     finally:
         stop_cluster(again)
+
+
+# --- what killed ranks leave in shared memory ----------------------------------------
+
+def _segments(text: str) -> set[Path]:
+    return {Path(p) for p in re.findall(r"/dev/shm/mpich_\w+", text)}
+
+
+def _segments_of(pids: list[int]) -> set[Path]:
+    """The MPICH shared-memory segments these processes have mapped."""
+    return set().union(*(_segments(Path(f"/proc/{pid}/maps").read_text()) for pid in pids))
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this system")
+def test_a_stopped_cluster_leaves_no_mpi_shared_memory_and_a_live_one_keeps_its_own() -> None:
+    """Killed engines never run MPI_Finalize, which deletes MPICH's segment; a later job
+    with the same id would attach to it and fail in MPI_Init."""
+    mc = start_cluster(2)
+    try:
+        segments = _segments_of(mc.view.apply_sync(os.getpid))
+        assert segments, "the engines have no MPICH segment mapped: nothing to test"
+        time.sleep(1.1)  # older than a segment a starting job is about to map
+        sweep_mpi_segments(min_age=0)
+        assert all(p.exists() for p in segments), "a live cluster's segment was deleted"
+        assert mc.view.apply_sync(lambda: 1) == [1, 1]
+    finally:
+        stop_cluster(mc)
+    assert not [p for p in segments if p.exists()], "the stopped engines' segment is left"
+
+
+KILLED_RANKS = """
+import os, pathlib, re, signal
+from mpi4py import MPI
+MPI.COMM_WORLD.Barrier()
+print(*re.findall(r"/dev/shm/mpich_\\w+", pathlib.Path("/proc/self/maps").read_text()), flush=True)
+MPI.COMM_WORLD.Barrier()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this system")
+def test_an_mpi_job_whose_ranks_were_killed_leaves_no_shared_memory() -> None:
+    result = mpirun(2, ["-c", KILLED_RANKS], timeout=60, check=False)
+    segments = _segments(result.stdout)
+    assert result.returncode != 0 and segments, result.stdout
+    assert not [p for p in segments if p.exists()], "the killed ranks' segment is left"

@@ -43,7 +43,13 @@ from IPython.paths import get_ipython_dir
 from pcourse.cluster.interrupts import INTERRUPT_GRACE
 from pcourse.cluster.launch import Launcher, MPINotFound, find_mpiexec, max_engines, mpi_launcher
 from pcourse.cluster.rankinfo import RankInfo, gpu_count
-from pcourse.cluster.reaper import MARK, end_cluster, kill_marked, owner_alive
+from pcourse.cluster.reaper import (
+    MARK,
+    end_cluster,
+    kill_marked,
+    owner_alive,
+    sweep_mpi_segments,
+)
 from pcourse.utils.progress import Bar, latest
 
 START_TIMEOUT = 90.0  # seconds for all engines to register and initialise
@@ -508,7 +514,7 @@ def sweep_stale_clusters() -> list[str]:
             if owner and not owner_alive(int(owner.group(1))):
                 file.unlink(missing_ok=True)
                 removed.append(str(file))
-    return removed
+    return removed + sweep_mpi_segments()
 
 
 atexit.register(stop_cluster)

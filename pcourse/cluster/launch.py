@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pcourse.cluster.reaper import sweep_mpi_segments
 from pcourse.utils.io import atomic_write
 
 ROWS_ENV = "PCOURSE_ROWS_FILE"  # where report_rows writes; set by mpirun_rows
@@ -178,6 +179,7 @@ def run_in_session(
     MPIJobError, with the output tail), an error here, or SIGTERM/SIGHUP to this
     process (:func:`ends_with_launcher`). ``echo`` as in :func:`mpirun`.
     """
+    sweep_mpi_segments()  # a dead job's segment must not meet this one's ranks
     with ends_with_launcher():
         proc = subprocess.Popen(
             cmd,
@@ -199,6 +201,7 @@ def run_in_session(
             ) from None
         finally:
             kill_group(proc, grace=2.0)
+            sweep_mpi_segments()  # what killed ranks left
     return out, proc.returncode
 
 

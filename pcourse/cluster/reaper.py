@@ -12,6 +12,13 @@ parent, the owner, is gone, it ends the cluster and deletes its folder (connecti
 files and logs). It leaves as soon as the folder is gone, which is how a normal
 ``stop_cluster`` ends it.
 
+Ranks that are killed cannot run ``MPI_Finalize``, which is what deletes MPICH's
+shared-memory segment (``/dev/shm/mpich_shm_<job id>_<node>``). Left there, a segment
+holds memory, and a later job that draws the same id attaches to the dead job's
+segment and fails in ``MPI_Init`` ("Message truncated", "failed to unpack
+address"). :func:`sweep_mpi_segments` deletes the segments no running process has
+mapped; killing a cluster's processes ends with it.
+
 Run as ``python -m pcourse.cluster.reaper OWNER_PID FOLDER``.
 """
 
@@ -22,11 +29,14 @@ import shutil
 import signal
 import sys
 import time
+from pathlib import Path
 
 import psutil
 
 MARK = "PCOURSE_CLUSTER"
 POLL = 0.25  # seconds between looks at the owner
+SHM = Path("/dev/shm")
+MPI_SEGMENTS = ("mpich_shm_*", "mpich_vci_*")
 
 
 def marked(folder: str) -> list[psutil.Process]:
@@ -60,6 +70,43 @@ def kill_marked(folder: str, grace: float = 1.0) -> None:
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=grace)
+    sweep_mpi_segments()
+
+
+def sweep_mpi_segments(min_age: float = 1.0) -> list[str]:
+    """Delete this user's MPICH segments that no process maps; return their names.
+
+    ``min_age`` seconds spare a segment that a job starting now has created and is
+    about to map.
+    """
+    found = [p for pattern in MPI_SEGMENTS for p in SHM.glob(pattern)]
+    if not found:
+        return []
+    in_use = _mapped()
+    removed = []
+    for path in found:
+        try:
+            st = path.stat()
+            if (st.st_uid == os.getuid() and str(path) not in in_use
+                    and time.time() - st.st_mtime >= min_age):
+                path.unlink()
+                removed.append(path.name)
+        except OSError:  # gone meanwhile, or not ours to delete
+            continue
+    return removed
+
+
+def _mapped() -> set[str]:
+    """Every /dev/shm file that a process this user can see has mapped."""
+    paths = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process ended, or is another user's
+            continue
+        paths.update(line.split(maxsplit=5)[-1] for line in text.splitlines()
+                     if f" {SHM}/" in line)
+    return paths
 
 
 def owner_alive(pid: int) -> bool:

@@ -258,10 +258,31 @@ def _buffer_collective(self: CountingComm, name: str, *args: Any, **kwargs: Any)
     self._wait(nonblocking(*args, **kwargs), name, COLLECTIVE_HINT)
 
 
+_ROOT_AT = {"bcast": 1, "gather": 1, "scatter": 1, "reduce": 2}  # root's position in the call
+
+
 def _object_collective(self: CountingComm, name: str, *args: Any, **kwargs: Any) -> Any:
-    """Wait (with the deadline) until every rank has arrived, then make the call."""
+    """Agree (with the deadline) on the call and its root across ranks, then make it.
+
+    mpi4py's lowercase collectives have no nonblocking twin, so the deadline cannot
+    cover the call itself. Every rank first shares which collective and which root
+    it is about to call: a rank calling ``bcast`` while another calls ``allreduce``
+    (or with another root) is an error naming both, where the calls would hang.
+    """
+    import numpy as np
+
     self._record(name, args, kwargs)
-    self._wait(self._comm.Ibarrier(), name, COLLECTIVE_HINT)
+    at = _ROOT_AT.get(name)
+    root = -1 if at is None else int(_arg(args, kwargs, at, "root", 0))
+    mine = np.array([OBJECT_COLLECTIVES.index(name), root], dtype=np.int64)
+    everyone = np.empty((self._comm.size, 2), dtype=np.int64)
+    self._wait(self._comm.Iallgather(mine, everyone), name, COLLECTIVE_HINT)
+    calls = [(OBJECT_COLLECTIVES[k], r) for k, r in everyone.tolist()]
+    if len(set(calls)) > 1:
+        said = ", ".join(f"rank {i}: comm.{c}" + (f"(root={r})" if r >= 0 else "")
+                         for i, (c, r) in enumerate(calls))
+        raise DeadlockError(f"the ranks called different collectives at the same point "
+                            f"({said}). {COLLECTIVE_HINT}")
     return getattr(self._comm, name)(*args, **kwargs)
 
 

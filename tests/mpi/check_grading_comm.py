@@ -54,6 +54,19 @@ def main() -> None:
     if rank != 0:
         expect_deadlock("a Bcast its root never joins", lambda: lonely.Bcast(x, root=0))
     WORLD.Barrier()
+    # Object collectives have no nonblocking twin: a mismatch is found before the call.
+    mixed = CountingComm(WORLD.Dup(), timeout=TIMEOUT)
+    for what, call in (("bcast with different roots", lambda: mixed.bcast(rank, root=rank)),
+                       ("bcast beside allreduce",
+                        lambda: mixed.bcast(1) if rank == 0 else mixed.allreduce(1))):
+        try:
+            call()
+        except DeadlockError as exc:
+            assert "rank 0: comm.bcast(root=0)" in str(exc), exc
+            continue
+        sys.exit(f"rank {rank}: {what} did not raise DeadlockError")
+    assert mixed.bcast(rank, root=p - 1) == p - 1  # and the communicator still works
+    WORLD.Barrier()
 
     # A world of 2: the last two ranks, numbered in reverse; rank 0 sits it out.
     sub = subworld(2)
