@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -139,6 +140,19 @@ def cluster_processes() -> dict[int, str]:
         if any(marker in cmd for marker in _CLUSTER_MARKERS):
             found[proc.info["pid"]] = cmd
     return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def interrupts_raise():
+    """Ctrl-C raises KeyboardInterrupt here, as in a terminal or a notebook's kernel.
+
+    A test run started in the background by a non-interactive shell inherits SIGINT
+    ignored; the tests of the stop button would then wait for an interrupt that
+    never lands.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="session", autouse=True)

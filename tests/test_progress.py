@@ -16,20 +16,26 @@ def _run(bar: progress.Bar, total: int) -> None:
     bar.close()
 
 
-def test_a_notebook_cell_keeps_nothing(monkeypatch):
-    """Learners see the bar; the saved cell, which nbval compares, keeps nothing."""
-    shown = []
+@pytest.fixture
+def shown(monkeypatch) -> list[dict]:
+    """What a notebook would display, version by version (the first, then each update)."""
+    bundles: list[dict] = []
 
     class Handle:
         def update(self, bundle, raw):
-            shown.append(bundle)
+            bundles.append(bundle)
 
     def display(bundle, raw, display_id):
-        shown.append(bundle)
+        bundles.append(bundle)
         return Handle()
 
     monkeypatch.setattr(progress, "in_notebook", lambda: True)
     monkeypatch.setattr("IPython.display.display", display)
+    return bundles
+
+
+def test_a_notebook_cell_keeps_nothing(shown):
+    """Learners see the bar; the saved cell, which nbval compares, keeps nothing."""
     _run(progress.Bar(2, "engines", "engine"), 2)
     # nbval keeps the first version (it ignores updates), nbclient the last: both empty,
     # so neither the saved cell nor nbval's comparison holds an output field.
@@ -73,19 +79,9 @@ def test_nowhere_to_show_it_shows_nothing(monkeypatch, capsys):
 
 
 @pytest.mark.mpi
-def test_training_on_the_engines_shows_rank_0s_epochs_in_the_notebook(monkeypatch):
+def test_training_on_the_engines_shows_rank_0s_epochs_in_the_notebook(shown):
     """train() on the engines publishes; the blocking apply shows it, then empties it."""
     from pcourse.cluster import start_cluster, stop_cluster
-
-    shown = []
-
-    class Handle:
-        def update(self, bundle, raw):
-            shown.append(bundle)
-
-    def display(bundle, raw, display_id):
-        shown.append(bundle)
-        return Handle()
 
     def _train_on_engine(epochs):  # local, so cloudpickle sends it by value
         from pcourse.backends import make_backend
@@ -97,8 +93,7 @@ def test_training_on_the_engines_shows_rank_0s_epochs_in_the_notebook(monkeypatc
 
     mc = start_cluster(2)
     try:
-        monkeypatch.setattr(progress, "in_notebook", lambda: True)
-        monkeypatch.setattr("IPython.display.display", display)
+        shown.clear()  # the start's own bar
         losses = mc.view.apply_sync(_train_on_engine, 150)  # long enough to be seen
     finally:
         stop_cluster(mc)

@@ -66,7 +66,7 @@ class MNISTConfig:
 
     split: str = "train"
     limit: int | None = 10_000  # the source's --ntrain: the first 10,000 images
-    data_dir: str | None = None  # None: $PCOURSE_MNIST_DIR, then ~/.cache/pcourse/mnist
+    data_dir: str | None = None  # None: the folders pcourse.workloads.mnist.resolve_dir tries
     latent: int = 2
     batch_size: int = 64
     epochs: int = 300

@@ -146,6 +146,17 @@ def gloo(rank: str = "comm.rank", size: str = "comm.size",
     return GLOO_WITH.format(rank=rank, size=size, timeout=timeout, ret=ret)
 
 
+FLOAT_SPREAD = """
+            spread = 0.0
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.is_floating_point():
+                    hi = t.detach().numpy().copy()
+                    lo = hi.copy()
+                    comm.Allreduce(MPI.IN_PLACE, hi, op=MPI.MAX)
+                    comm.Allreduce(MPI.IN_PLACE, lo, op=MPI.MIN)
+                    spread = max(spread, float((hi - lo).max()))
+            return spread"""  # a max_spread that skips the integer buffers
+
 BUCKET = """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     bucket = torch.cat([g.reshape(-1) for g in grads])
@@ -400,26 +411,9 @@ WRONG: dict[str, dict[str, Wrong]] = {
         "floating-point tensors only": Wrong("point", ["""
             for t in [*model.parameters(), *model.buffers()]:
                 if t.is_floating_point():
-                    comm.Bcast(t.detach().numpy(), root=root)""", """
-            spread = 0.0
-            for t in [*model.parameters(), *model.buffers()]:
-                if t.is_floating_point():
-                    hi = t.detach().numpy().copy()
-                    lo = hi.copy()
-                    comm.Allreduce(MPI.IN_PLACE, hi, op=MPI.MAX)
-                    comm.Allreduce(MPI.IN_PLACE, lo, op=MPI.MIN)
-                    spread = max(spread, float((hi - lo).max()))
-            return spread"""], "num_batches_tracked"),
-        "spread skips the batch counts": Wrong("point", [RIGHT, """
-            spread = 0.0
-            for t in [*model.parameters(), *model.buffers()]:
-                if t.is_floating_point():
-                    hi = t.detach().numpy().copy()
-                    lo = hi.copy()
-                    comm.Allreduce(MPI.IN_PLACE, hi, op=MPI.MAX)
-                    comm.Allreduce(MPI.IN_PLACE, lo, op=MPI.MIN)
-                    spread = max(spread, float((hi - lo).max()))
-            return spread"""], "check 3/4"),
+                    comm.Bcast(t.detach().numpy(), root=root)""", FLOAT_SPREAD],
+            "num_batches_tracked"),
+        "spread skips the batch counts": Wrong("point", [RIGHT, FLOAT_SPREAD], "check 3/4"),
         "only the root calls Bcast": Wrong("deadlock", ["""
             for t in [*model.parameters(), *model.buffers()]:
                 if comm.rank == root:
