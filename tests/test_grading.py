@@ -24,7 +24,7 @@ import nbformat
 import pytest
 
 from pcourse.grading import exercises as ex
-from pcourse.grading import submission
+from pcourse.grading import runner, submission
 from pcourse.grading.grade import (
     Grade,
     exercise_of,
@@ -217,6 +217,25 @@ def test_failures_are_explained_in_plain_words():
         "not solved yet")
     assert explain("at 3 ranks, rank 1: tensor 0 is off\n  in f, line 3") == \
         "at 3 ranks, rank 1: tensor 0 is off"
+
+
+def test_a_cluster_that_fails_to_start_is_tried_once_more_before_a_learner_pays(monkeypatch):
+    calls = []
+
+    def ready(mc, engines, where, fails=1):
+        calls.append(mc)
+        if len(calls) <= fails:
+            raise RuntimeError(f"start {len(calls)} did not finish initialising")
+        return "fresh"
+
+    monkeypatch.setattr(runner, "_ready", ready)
+    monkeypatch.setattr(runner, "_discard", lambda mc: calls.append(("discarded", mc)))
+    assert runner._ready_or_retry("old", 3, Path("x")) == "fresh"
+    assert calls == ["old", ("discarded", "old"), None]
+    calls.clear()  # twice in a row: the second failure is the one reported
+    monkeypatch.setattr(runner, "_ready", lambda mc, e, w: ready(mc, e, w, fails=2))
+    with pytest.raises(RuntimeError, match="start 2"):
+        runner._ready_or_retry(None, 3, Path("x"))
 
 
 def test_a_file_names_its_exercise():

@@ -96,6 +96,20 @@ def _ready(mc: Any, engines: int, where: Path) -> Any:
     return mc
 
 
+def _ready_or_retry(mc: Any, engines: int, where: Path) -> Any:
+    """:func:`_ready`, and once more with a fresh cluster if that fails.
+
+    A cluster that fails to start or reset on a loaded machine is the grader's
+    problem: it must not cost a learner the grade of the notebook that came next.
+    """
+    try:
+        return _ready(mc, engines, where)
+    except Exception:  # noqa: BLE001 - the second attempt's error is the one reported
+        if mc is not None:
+            _discard(mc)
+        return _ready(None, engines, where)
+
+
 def _discard(mc: Any) -> None:
     """Kill a cluster whose engines no longer answer (stuck in MPI, or dead).
 
@@ -224,7 +238,7 @@ def _worker(conn: Connection, mark: str, engines: int) -> None:
     try:
         while (job := conn.recv()) is not None:
             try:
-                mc = _ready(mc, engines, where)
+                mc = _ready_or_retry(mc, engines, where)
                 kernel, spare = spare or Kernel(), Kernel()
                 result = execute(job.notebook, job.limit, kernel)
             except Exception as exc:  # noqa: BLE001 - reported, and the next job goes on
