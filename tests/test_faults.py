@@ -392,3 +392,25 @@ def test_an_mpi_job_whose_ranks_were_killed_leaves_no_shared_memory() -> None:
     segments = _segments(result.stdout)
     assert result.returncode != 0 and segments, result.stdout
     assert not [p for p in segments if p.exists()], "the killed ranks' segment is left"
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this system")
+def test_the_sweep_spares_young_and_mapped_segments_and_deletes_a_dead_jobs_at_once() -> None:
+    import mmap
+
+    young, mapped = (Path(f"/dev/shm/mpich_shm_test{uuid.uuid4().hex[:8]}_0") for _ in "12")
+    for path in (young, mapped):
+        path.write_bytes(b"\0" * 4096)
+    try:
+        with mapped.open("r+b") as f, mmap.mmap(f.fileno(), 4096):
+            sweep_mpi_segments()  # a job starting now may not have mapped its segment yet
+            assert young.exists() and mapped.exists()
+            sweep_mpi_segments(dead={str(young), str(mapped)})  # a killed job's: at once
+            assert not young.exists(), "a dead job's segment was kept"
+            assert mapped.exists(), "a segment a live process maps was deleted"
+        os.utime(mapped, (time.time() - 2, time.time() - 2))
+        sweep_mpi_segments()  # unmapped and old: left by a job killed earlier
+        assert not mapped.exists()
+    finally:
+        young.unlink(missing_ok=True)
+        mapped.unlink(missing_ok=True)

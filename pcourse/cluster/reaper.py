@@ -29,6 +29,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 import psutil
@@ -58,6 +59,7 @@ def kill_marked(folder: str, grace: float = 1.0) -> None:
     nodes too); SIGKILL for whatever is blocked or ignores it.
     """
     procs = marked(folder)
+    theirs = mapped_files(p.pid for p in procs)  # the MPI segments their ranks share
     for proc in procs:
         try:
             proc.send_signal(signal.SIGTERM)
@@ -70,25 +72,26 @@ def kill_marked(folder: str, grace: float = 1.0) -> None:
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=grace)
-    sweep_mpi_segments()
+    sweep_mpi_segments(dead=theirs)
 
 
-def sweep_mpi_segments(min_age: float = 1.0) -> list[str]:
+def sweep_mpi_segments(min_age: float = 1.0, dead: Collection[str] = ()) -> list[str]:
     """Delete this user's MPICH segments that no process maps; return their names.
 
     ``min_age`` seconds spare a segment that a job starting now has created and is
-    about to map.
+    about to map; ``dead`` names segments known to be a killed job's, deleted at once
+    (their ranks may have written to them, which renews the age, until the end).
     """
     found = [p for pattern in MPI_SEGMENTS for p in SHM.glob(pattern)]
     if not found:
         return []
-    in_use = _mapped()
+    in_use = mapped_files()
     removed = []
     for path in found:
         try:
             st = path.stat()
             if (st.st_uid == os.getuid() and str(path) not in in_use
-                    and time.time() - st.st_mtime >= min_age):
+                    and (str(path) in dead or time.time() - st.st_mtime >= min_age)):
                 path.unlink()
                 removed.append(path.name)
         except OSError:  # gone meanwhile, or not ours to delete
@@ -96,10 +99,12 @@ def sweep_mpi_segments(min_age: float = 1.0) -> list[str]:
     return removed
 
 
-def _mapped() -> set[str]:
-    """Every /dev/shm file that a process this user can see has mapped."""
+def mapped_files(pids: Iterable[int] | None = None) -> set[str]:
+    """Every /dev/shm file that these processes (default: all this user can see) map."""
     paths = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
+    where = Path("/proc")
+    files = where.glob("[0-9]*/maps") if pids is None else (where / f"{p}/maps" for p in pids)
+    for maps in files:
         try:
             text = maps.read_text()
         except OSError:  # the process ended, or is another user's

@@ -348,6 +348,8 @@ def _reap(variable: str, value: str, spare: Iterable[int] = ()) -> None:
     """Kill every process (but this one and ``spare``) whose environment has ``variable=value``."""
     import psutil
 
+    from pcourse.cluster.reaper import mapped_files, sweep_mpi_segments
+
     keep = {os.getpid(), *spare}
     found = []
     for proc in psutil.process_iter():
@@ -356,12 +358,14 @@ def _reap(variable: str, value: str, spare: Iterable[int] = ()) -> None:
                 found.append(proc)
         except (psutil.Error, OSError):
             continue
+    theirs = mapped_files(p.pid for p in found)
     for proc in found:
         try:
             proc.kill()
         except psutil.Error:
             pass
     psutil.wait_procs(found, timeout=10)
+    sweep_mpi_segments(dead=theirs)  # killed engines leave MPICH's shared memory behind
 
 
 if __name__ == "__main__":
