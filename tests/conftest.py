@@ -25,6 +25,7 @@ import torch
 
 from pcourse.backends import Backend, Work
 from pcourse.cluster.launch import mpirun
+from pcourse.cluster.reaper import sweep_mpi_segments
 
 REPO = Path(__file__).resolve().parents[1]
 MPI_SCRIPTS = REPO / "tests" / "mpi"
@@ -172,3 +173,13 @@ def no_leftover_cluster_processes():
     assert not left, "the tests left cluster processes running:\n" + "\n".join(
         f"{pid}: {cmd[:160]}" for pid, cmd in left.items()
     )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave no MPICH shared memory behind, after every teardown (nbval's included).
+
+    nbval and the grader end their kernels with SIGKILL, and a kernel that imported
+    mpi4py.MPI was an MPI process of its own: its segment would wait for the next start.
+    """
+    time.sleep(1.0)  # past the age at which the sweep spares a segment as a new job's
+    sweep_mpi_segments()
