@@ -249,16 +249,17 @@ def _items(data: dict, root: Path) -> list[_Item]:
     return items
 
 
-def estimated_time(item: _Item) -> str:
-    """A notebook's **Estimated time** line: the plan's minutes, and what they are made of."""
+def estimated_time(item: _Item, machine: str) -> str:
+    """A notebook's **Estimated time** line: the plan's minutes, what they are made of, and
+    where the run time was measured (a planning figure, not the learner's own run)."""
     parts = [f"{item.words:,} words to read and discuss at {READING_WPM} a minute"]
     if item.kind == "exercise":
         parts.append(f"{EXERCISE_MINUTES} min to write the code")
     solved = ", once solved" if item.kind == "exercise" else ""
     parts.append(f"{duration(item.run_s)} to run in quick mode{solved}")
     return (f"**Estimated time:** {item.minutes} min — {', '.join(parts[:-1])} and {parts[-1]}. "
-            "The instructor's workshop plans use the same figure "
-            "([INSTRUCTORS.md](../INSTRUCTORS.md)).")
+            f"A planning figure, not this machine's: {machine}. The instructor's workshop "
+            "plans use the same figure ([INSTRUCTORS.md](../INSTRUCTORS.md)).")
 
 
 def estimate_paths(item: _Item) -> list[Path]:
@@ -343,13 +344,14 @@ def updated(data: dict, root: Path) -> dict[Path, str]:
                 raise ValueError(f"{rel}: no markdown cell with the markers of {name!r}")
             cell.source = replace_block(cell.source, name, body)
         out[path] = text if nb is None else nbformat.writes(nb) + "\n"
+    machine = _machine(data, "quick")
     for item in _items(data, root):
         for rel in estimate_paths(item):
             nb = nbformat.read(root / rel, as_version=4)
             cell = next((c for c in nb.cells if c.cell_type == "markdown"), None)
             if cell is None or begin(ESTIMATE) not in cell.source:
                 raise ValueError(f"{rel}: its first markdown cell has no {ESTIMATE!r} markers")
-            cell.source = replace_block(cell.source, ESTIMATE, estimated_time(item))
+            cell.source = replace_block(cell.source, ESTIMATE, estimated_time(item, machine))
             out[root / rel] = nbformat.writes(nb) + "\n"
     return out
 
