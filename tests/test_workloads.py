@@ -24,7 +24,14 @@ from pcourse.bench import scaling as bench
 from pcourse.cluster.launch import mpirun
 from pcourse.loop import batch_sizes, local_batches, train
 from pcourse.workloads import mnist
-from pcourse.workloads.franke import DOMAIN, FrankeConfig, franke, franke_as_in_source, make_data
+from pcourse.workloads.franke import (
+    DOMAIN,
+    DOMAIN_AS_IN_SOURCE,
+    FrankeConfig,
+    franke,
+    franke_as_in_source,
+    make_data,
+)
 from pcourse.workloads.vae import (
     VAE,
     MNISTConfig,
@@ -86,10 +93,13 @@ def test_the_source_variant_squares_only_the_second_terms_y():
     assert torch.allclose(diff, want, rtol=1e-12)
 
 
-def test_franke_data_is_seeded_and_in_the_source_domain():
+def test_franke_data_is_seeded_and_on_frankes_domain():
     x, y = make_data(1000, seed=7)
+    assert DOMAIN == (0.0, 1.0)  # Franke's [0, 1]², not the source's [-1, 1]²
     assert x.shape == (1000, 2) and y.shape == (1000, 1)
-    assert x.min() >= DOMAIN[0] and x.max() <= DOMAIN[1] and x.min() < -0.9 and x.max() > 0.9
+    assert x.min() >= 0 and x.max() <= 1 and x.min() < 0.01 and x.max() > 0.99
+    wide = make_data(1000, seed=7, domain=DOMAIN_AS_IN_SOURCE)[0]
+    assert wide.min() < -0.9 and wide.max() > 0.9
     assert torch.equal(make_data(1000, seed=7)[0], x)
     assert not torch.equal(make_data(1000, seed=8)[0], x)
     torch.testing.assert_close(y[:, 0], franke(x[:, 0].double(), x[:, 1].double()).float())

@@ -10,14 +10,16 @@ network, and so do we, with the source's network, optimiser and data sizes:
     f(x, y) = 3/4 exp(-(9x-2)²/4 - (9y-2)²/4) + 3/4 exp(-(9x+1)²/49 - (9y+1)/10)
             + 1/2 exp(-(9x-7)²/4 - (9y-3)²/4) - 1/5 exp(-(9x-4)² - (9y-7)²)
 
-One departure from the source, and one from Franke, both said in lesson 05:
+Two departures from the source, both said in lesson 05 and in the README:
 
 - The source's formula (blog and code) squares the (9y+1) of the second term,
   (9y+1)²/10; Franke's original, and the page the source's code links to
   (sfu.ca/~ssurjano/franke2d.html), divide (9y+1) by 10 unsquared. We use the
   original; :func:`franke_as_in_source` is the source's variant, for comparison.
-- Franke drew the function on [0, 1]²; the source samples x and y uniformly from
-  [−1, 1]², and we follow the source (the peaks then sit in the upper-right quarter).
+- Franke defined the function on [0, 1]², and so do we. The source samples x and y
+  uniformly from [−1, 1]², where the original formula's −(9y+1)/10 term turns
+  positive and the surface peaks on the boundary: a hybrid that is neither Franke's
+  surface nor the source's. Sample the source's domain with ``DOMAIN_AS_IN_SOURCE``.
 
 Everything is seeded, so every rank builds the same data and the same initial
 network without communicating.
@@ -31,10 +33,11 @@ from torch import nn
 from pcourse.workloads.base import Workload
 from pcourse.workloads.config import FrankeConfig
 
-__all__ = ["DOMAIN", "FrankeConfig", "franke", "franke_as_in_source", "make_data", "make_model",
-           "make_workload"]
+__all__ = ["DOMAIN", "DOMAIN_AS_IN_SOURCE", "FrankeConfig", "franke", "franke_as_in_source",
+           "make_data", "make_model", "make_workload"]
 
-DOMAIN = (-1.0, 1.0)  # the source's sampling interval for both x and y
+DOMAIN = (0.0, 1.0)  # Franke's interval for both x and y
+DOMAIN_AS_IN_SOURCE = (-1.0, 1.0)  # the source's, for comparison
 
 
 def franke(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -56,14 +59,15 @@ def _franke(x: torch.Tensor, y: torch.Tensor, second_y: torch.Tensor) -> torch.T
 
 
 def make_data(
-    n: int, seed: int, dtype: torch.dtype = torch.float32
+    n: int, seed: int, dtype: torch.dtype = torch.float32,
+    domain: tuple[float, float] = DOMAIN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` points uniform on the source's [−1, 1]² and their targets, shapes (n, 2), (n, 1).
+    """``n`` points uniform on ``domain``² (Franke's [0, 1]²) and their targets, (n, 2), (n, 1).
 
     A private generator, so the data never depends on what else used torch's RNG.
     """
     gen = torch.Generator().manual_seed(seed)
-    lo, hi = DOMAIN
+    lo, hi = domain
     xy = lo + (hi - lo) * torch.rand(n, 2, generator=gen, dtype=torch.float64)
     z = franke(xy[:, 0], xy[:, 1]).unsqueeze(1)
     return xy.to(dtype), z.to(dtype)
