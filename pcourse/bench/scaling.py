@@ -21,6 +21,11 @@ Repeats are rounds over all configurations, not back-to-back runs of one: a
 machine that slows down part-way slows every configuration alike. Before its first
 timed run, each (backend, ranks) trains a few untimed updates (:func:`warm_up`), so
 that no configuration's time carries the first run's one-off costs.
+
+Every row says which device its backend trained on (``device``: on a CUDA machine the
+MPI and NCCL backends train on the GPU, Gloo on the CPU). The summary table shows it,
+and says so when its backends ran on different devices: their times then compare
+devices as well as libraries.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pcourse.backends import BACKENDS, backend_class
+from pcourse.backends import BACKENDS
 from pcourse.bench import jobs
 from pcourse.bench.jobs import BenchError, Outcome
 from pcourse.cluster.rankinfo import launcher
@@ -43,7 +48,7 @@ from pcourse.utils.io import write_csv
 from pcourse.workloads.config import CONFIGS, FrankeConfig, MNISTConfig, batch_sizes
 
 CPU_BACKENDS = ("mpi", "mpi-pickle", "gloo")
-FIELDS = ["workload", "backend", "ranks", "repeat", "scaling", "epochs", "global_batch",
+FIELDS = ["workload", "backend", "device", "ranks", "repeat", "scaling", "epochs", "global_batch",
           "local_batch", "steps_per_epoch", "train_time", "total_time", "wall_time",
           "final_loss", "test_loss", "max_deviation",
           "samples_per_epoch", "time_per_step", "samples_per_s",
@@ -73,13 +78,7 @@ def skip_reason(backend: str, ranks: int) -> str:
     """Why this machine cannot run ``backend`` at ``ranks`` ("" if it can)."""
     from pcourse.backends import unavailable_reason
 
-    reason = unavailable_reason(backend)
-    if not reason and backend_class(backend).needs_gpu:
-        from pcourse.cluster.rankinfo import gpu_count
-
-        if ranks > gpu_count():
-            reason = f"NCCL needs one GPU per rank: {ranks} ranks, {gpu_count()} GPU(s)"
-    return reason
+    return unavailable_reason(backend, ranks)
 
 
 def measure(comm: Any, spec: ScalingSpec, progress: jobs.Progress) -> None:
@@ -248,6 +247,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
         times = [r["train_time"] for r in runs]
         walls = [r["wall_time"] for r in runs]
         table.append({"backend": backend, "ranks": ranks, "runs": len(runs),
+                      "device": _device(runs),
                       "scaling": runs[-1]["scaling"],
                       "mean": statistics.fmean(times), "std": _std(times),
                       "wall": statistics.fmean(walls), "wall_std": _std(walls),
@@ -267,6 +267,24 @@ def aggregate(rows: list[dict]) -> list[dict]:
     return table
 
 
+def _device(runs: list[dict]) -> str:
+    """The device type a configuration's runs trained on ("cpu", "cuda"; "?" in older
+    CSVs); a comma-separated list if its runs disagree."""
+    kinds = dict.fromkeys(str(r.get("device") or "?").split(":")[0] for r in runs)
+    return ",".join(kinds)
+
+
+def mixed_devices(table: list[dict]) -> str:
+    """A sentence naming each backend's device when the table's backends ran on more
+    than one kind of device; "" when they all ran on one."""
+    by_backend = {t["backend"]: t["device"] for t in table}
+    if len(set(by_backend.values())) < 2:
+        return ""
+    where = ", ".join(f"{b} on {d}" for b, d in by_backend.items())
+    return (f"the backends ran on different devices ({where}): their times compare the "
+            "devices as well as the backends")
+
+
 def _get(runs: list[dict], key: str) -> list[float]:
     """A derived column; computed for rows from before it existed (older CSVs)."""
     if all(r.get(key) not in (None, "") for r in runs):
@@ -282,14 +300,19 @@ def _std(values: list[float]) -> float:
 
 
 def print_table(table: list[dict]) -> None:
-    print(f"{'backend':>10} {'ranks':>5} {'train s (mean ± std)':>22} {'ms/update':>9} "
-          f"{'samples/s':>10} {'speed-up':>8} {'effic.':>6} {'wall s (mean ± std)':>21} "
-          f"{'final loss':>11}")
+    """The summary, one line per (backend, ranks), and a note if devices are mixed."""
+    print(f"{'backend':>10} {'device':>6} {'ranks':>5} {'train s (mean ± std)':>22} "
+          f"{'ms/update':>9} {'samples/s':>10} {'speed-up':>8} {'effic.':>6} "
+          f"{'wall s (mean ± std)':>21} {'final loss':>11}")
     for t in table:
-        print(f"{t['backend']:>10} {t['ranks']:>5} {t['mean']:>12.3f} ± {t['std']:<7.3f} "
+        print(f"{t['backend']:>10} {t['device']:>6} {t['ranks']:>5} "
+              f"{t['mean']:>12.3f} ± {t['std']:<7.3f} "
               f"{t['per_step'] * 1e3:>9.3f} {t['throughput']:>10.0f} {t['speedup']:>8.2f} "
               f"{t['efficiency']:>6.2f} {t['wall']:>11.2f} ± {t['wall_std']:<7.2f} "
               f"{t['loss']:>11.4g}")
+    mixed = mixed_devices(table)
+    if mixed:
+        print(f"note: {mixed}")
 
 
 def plot(table: list[dict], title: str, path: str | Path | None = None) -> Any:
@@ -302,14 +325,16 @@ def plot(table: list[dict], title: str, path: str | Path | None = None) -> Any:
     weak = any(t["scaling"] == "weak" for t in table)
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
+    mixed = bool(mixed_devices(table))
     for i, backend in enumerate(dict.fromkeys(t["backend"] for t in table)):
         pts = [t for t in table if t["backend"] == backend]
         ranks = [t["ranks"] for t in pts]
+        label = f"{backend} ({pts[0]['device']})" if mixed else backend
         if weak:
-            ax.plot(ranks, [t["throughput"] for t in pts], "o-", color=f"C{i}", label=backend)
+            ax.plot(ranks, [t["throughput"] for t in pts], "o-", color=f"C{i}", label=label)
         else:
             ax.errorbar(ranks, [t["mean"] for t in pts], yerr=[t["std"] for t in pts],
-                        marker="o", capsize=3, color=f"C{i}", label=backend)
+                        marker="o", capsize=3, color=f"C{i}", label=label)
         one = next((t for t in pts if t["ranks"] == 1), None)
         if one is not None:
             ideal = [one["throughput"] * p if weak else one["mean"] / p for p in ranks]
