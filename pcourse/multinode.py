@@ -10,7 +10,7 @@ GPUs are asked for in the job script, as Slurm wants them: ``gpus_per_task`` (on
 per engine: the NCCL backends need that) writes ``#SBATCH --gpus-per-task=N``, ``gres``
 (``gpu:2``, ``gpu:a100:4``: per node, for sites that count GPUs that way) writes
 ``#SBATCH --gres=...``. :class:`SlurmGPUEngineSetLauncher` is ipyparallel's Slurm
-launcher with those two settings.
+launcher that writes them; :func:`configure_gpus` sets a cluster up to use it.
 
 Lesson 09 explains hostfiles, schedulers and the interface variables.
 """
@@ -25,7 +25,6 @@ from pathlib import Path
 
 import ipyparallel as ipp
 from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
-from traitlets import Integer, Unicode
 
 FLAVOURS = ("mpich", "openmpi")
 
@@ -44,22 +43,23 @@ def hostfile_text(hosts: dict[str, int], flavour: str = "mpich") -> str:
     return "".join(form.format(host=h, n=n) + "\n" for h, n in hosts.items())
 
 
+GPU_REQUEST = "pcourse_gpu_request"  # the key of the #SBATCH GPU lines in the template's namespace
+
+
 class SlurmGPUEngineSetLauncher(SlurmEngineSetLauncher):
-    """ipyparallel's Slurm engine launcher, which can also ask for GPUs in the job script.
+    """ipyparallel's Slurm engine launcher, which also writes a GPU request into the script.
 
-    Configured like the launcher it extends (``config.SlurmEngineSetLauncher`` applies
-    to it too), plus ``gpus_per_task`` and ``gres`` (see the module docstring).
+    Configured like the launcher it extends (``config.SlurmEngineSetLauncher`` applies to
+    it too); the request's ``#SBATCH`` lines are its template namespace's
+    :data:`GPU_REQUEST` (:func:`configure_gpus` puts them there).
     """
-
-    gpus_per_task = Integer(0, config=True, help="GPUs per task (engine): --gpus-per-task")
-    gres = Unicode("", config=True, help="generic resources per node, e.g. gpu:2: --gres")
 
     def _insert_options_in_script(self) -> None:
         super()._insert_options_in_script()
-        lines = sbatch_gpu_lines(self.gpus_per_task, self.gres)
-        if lines:
+        request = self.namespace.get(GPU_REQUEST, "")
+        if request:
             first, rest = self.batch_template.split("\n", 1)
-            self.batch_template = "\n".join([first, *lines, rest])
+            self.batch_template = "\n".join([first, request, rest])
 
 
 def sbatch_gpu_lines(gpus_per_task: int = 0, gres: str = "") -> list[str]:
@@ -77,11 +77,11 @@ def sbatch_gpu_lines(gpus_per_task: int = 0, gres: str = "") -> list[str]:
 
 def configure_gpus(cluster: ipp.Cluster, gpus_per_task: int = 0, gres: str = "") -> None:
     """Make ``cluster`` (``engines="slurm"``) ask for GPUs in its engines' job script."""
-    sbatch_gpu_lines(gpus_per_task, gres)  # refuse bad values before anything is written
-    if gpus_per_task or gres:
+    lines = sbatch_gpu_lines(gpus_per_task, gres)  # bad values refused before anything runs
+    if lines:
         cluster.engine_launcher_class = SlurmGPUEngineSetLauncher
-        cluster.config.SlurmGPUEngineSetLauncher.gpus_per_task = gpus_per_task
-        cluster.config.SlurmGPUEngineSetLauncher.gres = gres
+        space = cluster.config.SlurmEngineSetLauncher
+        space.namespace = {**space.get("namespace", {}), GPU_REQUEST: "\n".join(lines)}
 
 
 def _launcher(cluster: ipp.Cluster, work_dir: str):
