@@ -181,3 +181,15 @@ def test_make_gpu_check_installs_the_extra_of_torchs_cuda():
     recipe = text[text.index("$(GPU_STAMP): $(STAMP)"):].split("\n\n", 1)[0]
     assert "pcourse.checks.gpu_check --which-extra" in recipe and "|| exit 1" in recipe
     assert '".[test,$$extra]"' in recipe and ".[test,gpu]" not in text
+
+
+@pytest.mark.parametrize("cuda, says", [(None, "needs a CUDA build of torch"),
+                                        ("12.8", "'.[gpu-cu12]'"), ("13.0", "'.[gpu-cu13]'"),
+                                        ("11.8", "no GPU extra for torch's CUDA 11.8")])
+def test_a_missing_cupy_is_told_the_extra_of_its_torch(monkeypatch, cuda, says):
+    import torch
+
+    from pcourse.checks.gpu_check import extra_hint
+
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    assert says in extra_hint()

@@ -53,10 +53,12 @@ def extra_for(cuda_version: str | None) -> str:
 
 def extra_hint() -> str:
     """How to install the GPU libraries for this torch, as a short instruction."""
+    if not torch.version.cuda:
+        return "it needs a CUDA build of torch; with one, make gpu-check installs it"
     try:
         extra = extra_for(torch.version.cuda)
-    except ValueError as exc:
-        return str(exc)
+    except ValueError:
+        return f"the course has no GPU extra for torch's CUDA {torch.version.cuda}"
     return f"pip install -e '.[{extra}]', or make gpu-check"
 
 
