@@ -550,3 +550,45 @@ def test_the_scaling_benchmark_skips_nccl_where_ranks_outnumber_gpus(monkeypatch
     _fake_gpus(monkeypatch, 2)
     assert scaling.skip_reason("nccl", 2) == "" and scaling.skip_reason("nccl-cupy", 1) == ""
     assert "4 ranks, 2 GPU(s)" in scaling.skip_reason("nccl", 4)
+
+
+# ---------------------------------------------------------------- on GPUs (`pytest -m gpu`)
+def _gpus() -> int:
+    from pcourse.cluster.rankinfo import gpu_count
+
+    return gpu_count()
+
+
+@pytest.mark.gpu
+def test_nccl_backends_run_at_one_rank_and_say_it_checks_the_plumbing(mpi_run):
+    out = mpi_run(1, "check_nccl.py", expect="NCCL: ALL OK", timeout=300)
+    assert "one rank: this checks the plumbing" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_nccl_backends_on_every_gpu_match_mpi(mpi_run):
+    if _gpus() < 2:
+        pytest.skip(f"a reduction across GPUs needs 2 GPUs or more; {_gpus()} here")
+    mpi_run(min(_gpus(), 4), "check_nccl.py", expect="NCCL: ALL OK", timeout=600)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_an_nccl_timeout_raises_in_the_rank_instead_of_ending_it(mpi_run):
+    if _gpus() < 2:
+        pytest.skip(f"a peer that never comes needs 2 GPUs; {_gpus()} here")
+    out = mpi_run(2, "check_nccl.py", "--timeout-raises", expect="NCCL timeout: ALL OK",
+                  timeout=300)
+    assert "nccl: the lone barrier raised" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_check_passes_on_this_machines_gpus():
+    out = subprocess.run([sys.executable, "-m", "pcourse.checks.gpu_check"], capture_output=True,
+                         text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "PASS", (
+        out.stdout + out.stderr)
+    if _gpus() == 1:
+        assert "one rank: this checks the plumbing" in out.stdout

@@ -16,11 +16,7 @@ from pcourse.workloads.config import FrankeConfig
 SMALL = dataclasses.replace(FrankeConfig(), n_points=64, n_test=16, batch_size=16, epochs=1)
 
 
-def _devices_here() -> list[str]:
-    return ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
-
-
-@pytest.mark.parametrize("device", _devices_here())
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 def test_a_workload_says_where_its_model_lives(device):
     wl = make_workload("franke", SMALL, device)
     assert wl.device == torch.device(device)

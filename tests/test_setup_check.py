@@ -266,3 +266,14 @@ def test_the_versions_name_any_cupy_wheel(monkeypatch, installed, shown):
     monkeypatch.setattr(importlib.metadata, "distributions",
                         lambda: others + [Dist(n, v) for n, v in installed.items()])
     assert setup_check.cupy_version() == shown
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_one_engine_checks_the_nccl_backends_on_a_gpu():
+    result = subprocess.run([sys.executable, "-m", "pcourse.checks.setup_check", "-n", "1"],
+                            capture_output=True, text=True, timeout=300)
+    out = result.stdout
+    assert result.returncode == 0 and out.strip().splitlines()[-1] == "READY", out + result.stderr
+    assert "allreduce over nccl        OK" in out, out
