@@ -127,8 +127,16 @@ def unavailable_reason(name: str, ranks: int | None = None) -> str:
     is safe to call from a notebook kernel that is not an MPI rank.
     """
     reason = _library_reason(name)
-    if reason or ranks is None or not backend_class(name).needs_gpu:
+    if reason or ranks is None:
         return reason
+    return too_few_gpus(name, ranks)
+
+
+def too_few_gpus(name: str, ranks: int) -> str:
+    """Why backend ``name`` cannot run ``ranks`` ranks on this machine's GPUs; "" if it can
+    (or needs no GPU). NCCL refuses two ranks on one GPU; one rank on one GPU runs."""
+    if not backend_class(name).needs_gpu:
+        return ""
     from pcourse.cluster.rankinfo import gpu_count
 
     if ranks > gpu_count():

@@ -76,9 +76,9 @@ class ScalingSpec:
 
 def skip_reason(backend: str, ranks: int) -> str:
     """Why this machine cannot run ``backend`` at ``ranks`` ("" if it can)."""
-    from pcourse.backends import unavailable_reason
+    from pcourse.backends import too_few_gpus, unavailable_reason
 
-    return unavailable_reason(backend, ranks)
+    return unavailable_reason(backend) or too_few_gpus(backend, ranks)
 
 
 def measure(comm: Any, spec: ScalingSpec, progress: jobs.Progress) -> None:
