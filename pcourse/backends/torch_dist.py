@@ -263,13 +263,15 @@ def _poll_work(handle: Any, timeout: float, what: str) -> None:
     """Wait for ``handle`` by asking whether it is done, interruptibly, at most ``timeout`` s.
 
     For a torch collective whose ``wait()`` blocks the CPU without a way to interrupt
-    it (the NCCL barrier); ``is_completed()`` only asks. The final ``wait()`` returns
-    at once, or raises the collective's error.
+    it (the NCCL barrier); ``is_completed()`` only asks, and is also true once the
+    collective failed (timed out, aborted). The final wait returns at once, or raises
+    the collective's error: with a timeout, since NCCL's ``wait()`` without one and
+    without TORCH_NCCL_BLOCKING_WAIT does not look for an error at all.
     """
     from pcourse.cluster.interrupts import wait_until
 
     wait_until(handle.is_completed, timeout, what)
-    handle.wait()
+    handle.wait(timeout=_SLICE)
 
 
 def _copy_back(tensor: torch.Tensor, buf: torch.Tensor) -> None:
