@@ -42,6 +42,7 @@ from typing import Any
 
 from pcourse.backends import BACKENDS
 from pcourse.bench import jobs
+from pcourse.bench.flops import print_limits
 from pcourse.bench.jobs import BenchError, Outcome
 from pcourse.cluster.rankinfo import launcher
 from pcourse.utils.io import write_csv
@@ -52,7 +53,8 @@ FIELDS = ["workload", "backend", "device", "ranks", "repeat", "scaling", "epochs
           "local_batch", "steps_per_epoch", "train_time", "total_time", "wall_time",
           "final_loss", "test_loss", "max_deviation",
           "samples_per_epoch", "time_per_step", "samples_per_s",
-          "backend_time", "data_time", "optimizer_time", "eval_time", "close_time"]
+          "backend_time", "data_time", "optimizer_time", "eval_time", "close_time",
+          "threads", "flops_per_sample", "matmul_flops"]
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,29 @@ def run_once(comm: Any, spec: ScalingSpec, backend_name: str, repeat: int) -> di
     row["time_per_step"] = row["train_time"] / steps
     row["samples_per_s"] = row["epochs"] * row["samples_per_epoch"] / row["train_time"]
     row["wall_time"] = time.perf_counter() - start
+    row["threads"] = _threads(spec)
+    if repeat == 0:  # once per configuration, after the clocks stopped
+        row.update(compute_limit(comm, wl, result.model, row["threads"]))
     return row
+
+
+def _threads(spec: ScalingSpec) -> int:
+    """Torch threads per rank in training: the config's, else the rank's (init_rank's share)."""
+    import torch
+
+    return getattr(spec.config, "threads", None) or torch.get_num_threads()
+
+
+def compute_limit(comm: Any, wl: Any, model: Any, threads: int) -> dict:
+    """FLOPs per training sample, and every rank's matmul rate at ``threads``, summed."""
+    from pcourse.bench.flops import flops_per_sample, matmul_rate
+    from pcourse.cluster.rankinfo import threads as using
+
+    per_sample = flops_per_sample(wl, model)
+    comm.Barrier()  # all ranks multiply at once: they share the cores as in training
+    with using(threads):
+        rate = matmul_rate()
+    return {"flops_per_sample": per_sample, "matmul_flops": comm.allreduce(rate)}
 
 
 def _timed(fn: Any, phases: dict[str, float], name: str) -> Any:
@@ -253,7 +277,9 @@ def aggregate(rows: list[dict]) -> list[dict]:
                       "wall": statistics.fmean(walls), "wall_std": _std(walls),
                       "per_step": statistics.fmean(_get(runs, "time_per_step")),
                       "throughput": statistics.fmean(_get(runs, "samples_per_s")),
-                      "loss": runs[-1]["final_loss"]})
+                      "loss": runs[-1]["final_loss"],
+                      "threads": runs[-1].get("threads", ""),
+                      **_first(runs, "flops_per_sample", "matmul_flops")})
     base = {t["backend"]: t for t in table if t["ranks"] == 1}
     for t in table:
         one = base.get(t["backend"])
@@ -293,6 +319,12 @@ def _get(runs: list[dict], key: str) -> list[float]:
     if key == "time_per_step":
         return [r["train_time"] / s for r, s in zip(runs, steps, strict=True)]
     return [r["global_batch"] * s / r["train_time"] for r, s in zip(runs, steps, strict=True)]
+
+
+def _first(runs: list[dict], *keys: str) -> dict:
+    """Each key's first value among the runs (measured once per configuration), as float."""
+    return {k: next((float(r[k]) for r in runs if r.get(k) not in (None, "")), None)
+            for k in keys}
 
 
 def _std(values: list[float]) -> float:
@@ -468,6 +500,7 @@ def report(args: argparse.Namespace, spec: ScalingSpec, outcome: Outcome) -> Non
     written = [jobs.save(stem.with_suffix(".csv"), lambda path: write_csv(path, rows, FIELDS))]
     table = aggregate(rows)
     print_table(table)
+    print_limits(table)
     title = f"{args.workload}, {scaling} scaling, {spec.config.epochs} epochs"
     try:
         if len({t["ranks"] for t in table}) > 1:

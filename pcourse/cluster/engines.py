@@ -139,10 +139,16 @@ class MPICluster:
         return len(self.engines)
 
     def table(self) -> str:
-        """Rank, host and device of every engine, one line each."""
-        lines = [f"{'rank':>4}  {'local':>5}  {'host':<24} device"]
+        """Rank, host, device and torch threads of every engine, one line each.
+
+        The threads are what each engine's torch uses unless a run sets its own
+        (:func:`pcourse.cluster.rankinfo.init_rank` shares the cores among the ranks
+        of a host); a lesson that compares speeds says the threads it ran with.
+        """
+        lines = [f"{'rank':>4}  {'local':>5}  {'host':<24} {'device':<8} torch threads"]
         for e in self.engines:
-            lines.append(f"{e.rank:>4}  {e.local_rank:>5}  {e.host:<24} {e.device}")
+            lines.append(f"{e.rank:>4}  {e.local_rank:>5}  {e.host:<24} {e.device:<8} "
+                         f"{e.threads}")
         return "\n".join(lines)
 
     def problem(self) -> str:
