@@ -88,11 +88,9 @@ def run_note(entry: course.Entry, commands: str) -> str:
     """The box under a lesson's or an exercise's title: how to run it yourself."""
     if entry.folder == "exercises":
         after = course.EXERCISE_AFTER.get(entry.name)
-        what = (f"Do this exercise after lesson {after}. " if after else "") + (
-            f"In JupyterLab, open `{entry.path.as_posix()}`, fill in every cell marked "
-            "`# YOUR CODE HERE`, then run all cells: each check prints `PASS`, or `FAIL` and "
-            "why. `python -m pcourse.grading.grade "
-            f"{entry.path.as_posix()}` grades it from a terminal.")
+        what = (f"It practises lesson {after}. " if after else "") + (
+            f"`make lab` opens the course's index in JupyterLab; open "
+            f"`{entry.path.as_posix()}` from it and do as said above.")
     else:
         what = (f"`make lab` opens the course's index in JupyterLab; open "
                 f"`{entry.path.as_posix()}` from it and run all cells "
@@ -138,13 +136,14 @@ def _normalise(path: PurePosixPath) -> str:
 
 # ---------------------------------------------------------------- solutions stay out
 
-def solution_lines(solution: nbformat.NotebookNode,
-                   exercise: nbformat.NotebookNode) -> set[str]:
-    """The solution's own lines: inside its marked regions, and nowhere in the exercise.
+def solution_lines(solution: nbformat.NotebookNode) -> set[str]:
+    """The solution's own lines: inside its marked regions, and nowhere in its exercise.
 
-    Stripped of indentation; lines the exercise also has (``return None``, a blank
-    line, a comment it keeps) say nothing about the solution and are left out.
+    Stripped of indentation. Lines that the exercise generated from it also has
+    (``return None``, a comment it keeps) say nothing about the solution and are left
+    out; the exercise is generated here, so a stale exercises/ file cannot hide one.
     """
+    exercise = ex.generate(solution)
     shown = {ln.strip() for cell in exercise.cells for ln in cell.source.split("\n")}
     return {ln.strip() for code in ex.solution_regions(solution) for ln in code.split("\n")
             if ln.strip() and ln.strip() not in shown and not ln.strip().startswith("#")}
@@ -213,7 +212,7 @@ def _refuse_solutions(exercise: nbformat.NotebookNode, solution: Path, where: Pa
     if not solution.exists():
         return
     text = "\n".join(c.source for c in exercise.cells)
-    found = leaked(text, solution_lines(nbformat.read(solution, as_version=4), exercise))
+    found = leaked(text, solution_lines(nbformat.read(solution, as_version=4)))
     if found:
         raise BookError(f"{where} holds lines of its solution ({found[0]!r} and "
                         f"{len(found) - 1} more): run `make exercises`, then `make book`")
