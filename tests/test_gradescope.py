@@ -174,3 +174,20 @@ def test_a_graded_class_gets_partial_credit_per_check(tmp_path):
     feedback = (tmp_path / "out" / "_feedback" / "ann.md").read_text()
     assert f"## {solved}: {rows[solved].total}/{rows[solved].total} checks — PASS" in feedback
     assert failed[0]["output"] in feedback
+
+
+def test_one_submission_as_gradescopes_autograder_grades_it(tmp_path, capsys):
+    """`python -m pcourse.grading.gradescope`: one notebook, one results.json (no engines
+    needed for a notebook the grader rejects unread)."""
+    notebook = tmp_path / f"{NAMES[0]}.ipynb"
+    notebook.write_text("{ not a notebook")
+    results = tmp_path / "results" / "results.json"
+    assert gradescope.main([str(notebook), "--results", str(results),
+                            "--visibility", "after_due_date"]) == 0
+    result = json.loads(results.read_text())
+    assert result["score"] == 0 and result["visibility"] == "after_due_date"
+    assert len(result["tests"]) == _checks(SOLUTIONS / f"{NAMES[0]}.ipynb")
+    assert all("not valid JSON" in t["output"] for t in result["tests"])
+    assert str(results) in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        gradescope.main([str(tmp_path / "missing.ipynb")])
