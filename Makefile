@@ -19,7 +19,9 @@ TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 NVIDIA_GPU ?= $(shell { nvidia-smi -L 2>/dev/null | grep -q '^GPU'; } || \
 	test -e /proc/driver/nvidia/version && echo yes)
 TORCH_INDEX ?= $(if $(NVIDIA_GPU),,$(TORCH_CPU_INDEX))
-TORCH_FROM = $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
+# Only the torch wheel comes from that index (--no-deps): the course's install, next, finds
+# torch installed and takes its dependencies (filelock, sympy, ...) from the package index.
+TORCH_FROM = $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)" --no-deps)
 EXTRAS ?= test
 STAMP := $(VENV)/.pcourse-installed
 # mpiexec and hydra_pmi_proxy come from the mpich wheel and live in the venv's bin/.

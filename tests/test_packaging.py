@@ -156,6 +156,7 @@ def test_make_setup_takes_torch_from_the_index_the_machine_calls_for(tmp_path, v
     assert '"torch==2.13.0"' in line, line
     found = re.findall(r'--index-url "([^"]*)"', line)
     assert found == ([index] if index else []), line
+    assert ("--no-deps" in line) == bool(index), line  # its dependencies: the package index
     assert "--extra-index-url" not in line, line  # one index: never CUDA and CPU mixed
 
 
@@ -165,9 +166,13 @@ def test_make_setup_detects_this_machines_gpu(tmp_path):
 
 
 def test_only_torch_comes_from_the_cpu_index(tmp_path):
+    """torch alone (--no-deps); the course's install, after it, resolves torch's own
+    dependencies from the package index, with everything else."""
     lines = _planned("setup", tmp_path, "NVIDIA_GPU=")
-    others = [ln for ln in lines if '"torch==' not in ln]
-    assert others and all("--index-url" not in ln for ln in others), lines
+    torch = [k for k, ln in enumerate(lines) if '"torch==' in ln]
+    course = [k for k, ln in enumerate(lines) if '-e ".[' in ln]
+    assert torch == [0] and course == [1], lines
+    assert "--index-url" not in lines[1] and "--no-deps" not in lines[1], lines
 
 
 def test_ci_keeps_to_the_wheels_it_has_and_installs_the_book_extra(tmp_path):
