@@ -119,10 +119,11 @@ def test_requires_python_covers_what_the_code_uses():
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
-def _planned(target: str, tmp_path: Path, *variables: str) -> list[str]:
+def _planned(target: str, tmp_path: Path, *variables: str, **environ: str) -> list[str]:
     """The pip commands `make TARGET` would run on a fresh venv (`make -n`: nothing runs)."""
     env = {k: v for k, v in os.environ.items()  # what .ci/run exports must not leak in
            if k not in ("TORCH_INDEX", "NVIDIA_GPU", "TORCH_SPEC", "MAKEFLAGS", "MFLAGS")}
+    env.update(environ)
     result = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}", *variables],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -177,6 +178,9 @@ def test_only_torch_comes_from_the_cpu_index(tmp_path):
 
 def test_ci_keeps_to_the_wheels_it_has_and_installs_the_book_extra(tmp_path):
     """CI cannot reach PyTorch's index: .ci/run empties TORCH_INDEX before any make."""
+    (torch,) = [ln for ln in _planned("setup", tmp_path, "NVIDIA_GPU=", TORCH_INDEX="")
+                if '"torch==' in ln]  # exported empty, as .ci/run does
+    assert "--index-url" not in torch, torch
     ci = (REPO / ".ci" / "run").read_text()
     first_make = min(m.start() for m in re.finditer(r"^make ", ci, re.M))
     assert re.search(r"^export TORCH_INDEX=$", ci[:first_make], re.M), "TORCH_INDEX= first"
