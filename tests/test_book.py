@@ -360,6 +360,12 @@ def test_the_index_and_about_pages_link_only_to_what_exists(browser_page, site, 
     if doc == "index":
         assert "solutions/01_partitioner.ipynb" in text  # named, as a repository path
         assert not page.locator("article a[href*='solutions/']").count()
+        # the site's navigation: the lessons in order, then the exercises, then About
+        hrefs = page.eval_on_selector_all("nav.bd-links a", "links => links.map(a => a.href)")
+        docs = [re.sub(r"\.html$", "", h[len(site):]) for h in hrefs if h.startswith(site)]
+        wanted = [f"notebooks/{n}" for n in LESSONS] + [f"exercises/{n}" for n in EXERCISES]
+        assert [d for d in docs if d in wanted] == wanted, docs
+        assert docs.index("INSTRUCTORS") > docs.index(wanted[-1]), docs
 
 
 @pytest.mark.slow

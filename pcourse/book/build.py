@@ -261,6 +261,7 @@ def build(root: Path = REPO, out: Path = OUT, jobs: str = "auto") -> Book:
     out = Path(out)
     start = time.monotonic()
     pages = stage(Path(root), out / "src")
+    shutil.rmtree(out / "html", ignore_errors=True)  # no page of a lesson since removed
     render(out / "src", out / "html", out / "doctrees", jobs)
     missing = {p.source: cells for p in pages if p.kind == "lesson"
                for cells in [missing_figures(nbformat.read(Path(root) / p.source, 4))] if cells}
