@@ -59,10 +59,13 @@ lint: setup
 	$(RUN) $(BIN)/ruff check pcourse tests
 
 # CuPy and NCCL's runtime on top of the usual setup (a stamp of their own, so that
-# a venv set up without them still gets them here).
+# a venv set up without them still gets them here): the extra built for torch's CUDA,
+# gpu-cu12 or gpu-cu13, chosen from torch.version.cuda (a CPU-only torch is refused).
 GPU_STAMP := $(VENV)/.pcourse-gpu-installed
 $(GPU_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,gpu]"
+	@extra=$$($(PY) -m pcourse.checks.gpu_check --which-extra) || exit 1; \
+	echo "torch's CUDA needs the extra $$extra"; \
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,$$extra]"
 	@touch $@
 
 # Playwright for the end-to-end browser test (tests/test_browser.py). The browser is the

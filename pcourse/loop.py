@@ -55,6 +55,9 @@ class TrainResult:
     test_loss: float | None
     max_deviation: float | None  # largest weight difference across ranks (None: serial)
     model: nn.Module | None = field(default=None, repr=False)  # the trained model
+    # Where the model trained and lives (the backend's device: "cuda:0" for the MPI and
+    # NCCL backends on a CUDA machine). Compare it with CPU tensors after ``.cpu()``.
+    device: str = "cpu"
 
     @property
     def final_loss(self) -> float:
@@ -201,4 +204,4 @@ def train(
     test = wl.evaluate(wl.model) if wl.evaluate else None
     name = backend.name if backend is not None else "serial"
     return TrainResult(wl.name, name, size, config.scaling, global_, local, steps,
-                       losses, times, total, test, deviation, wl.model)
+                       losses, times, total, test, deviation, wl.model, str(device))

@@ -6,6 +6,12 @@ the ``sbatch`` script ipyparallel would run to start engines on other nodes, wit
 running anything, so a notebook can show them. ``start_cluster(n, hostfile=...)`` and
 ``start_cluster(n, slurm=...)`` (:mod:`pcourse.cluster.engines`) really start them.
 
+GPUs are asked for in the job script, as Slurm wants them: ``gpus_per_task`` (one GPU
+per engine: the NCCL backends need that) writes ``#SBATCH --gpus-per-task=N``, ``gres``
+(``gpu:2``, ``gpu:a100:4``: per node, for sites that count GPUs that way) writes
+``#SBATCH --gres=...``. :class:`SlurmGPUEngineSetLauncher` is ipyparallel's Slurm
+launcher that writes them; :func:`configure_gpus` sets a cluster up to use it.
+
 Lesson 09 explains hostfiles, schedulers and the interface variables.
 """
 
@@ -18,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import ipyparallel as ipp
+from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
 
 FLAVOURS = ("mpich", "openmpi")
 
@@ -34,6 +41,47 @@ def hostfile_text(hosts: dict[str, int], flavour: str = "mpich") -> str:
         raise ValueError(f"every host needs at least one slot, got {hosts}")
     form = "{host}:{n}" if flavour == "mpich" else "{host} slots={n}"
     return "".join(form.format(host=h, n=n) + "\n" for h, n in hosts.items())
+
+
+GPU_REQUEST = "pcourse_gpu_request"  # the key of the #SBATCH GPU lines in the template's namespace
+
+
+class SlurmGPUEngineSetLauncher(SlurmEngineSetLauncher):
+    """ipyparallel's Slurm engine launcher, which also writes a GPU request into the script.
+
+    Configured like the launcher it extends (``config.SlurmEngineSetLauncher`` applies to
+    it too); the request's ``#SBATCH`` lines are its template namespace's
+    :data:`GPU_REQUEST` (:func:`configure_gpus` puts them there).
+    """
+
+    def _insert_options_in_script(self) -> None:
+        super()._insert_options_in_script()
+        request = self.namespace.get(GPU_REQUEST, "")
+        if request:
+            first, rest = self.batch_template.split("\n", 1)
+            self.batch_template = "\n".join([first, request, rest])
+
+
+def sbatch_gpu_lines(gpus_per_task: int = 0, gres: str = "") -> list[str]:
+    """The ``#SBATCH`` lines that ask for GPUs; ValueError naming a bad value."""
+    if isinstance(gpus_per_task, bool) or not isinstance(gpus_per_task, int) \
+            or gpus_per_task < 0:
+        raise ValueError(f"gpus_per_task must be a whole number >= 0 (0: no GPUs), "
+                         f"got {gpus_per_task!r}")
+    if not isinstance(gres, str) or any(c.isspace() for c in gres):
+        raise ValueError(f"gres must be Slurm's resource text without spaces, such as "
+                         f"'gpu:2', got {gres!r}")
+    lines = [f"#SBATCH --gpus-per-task={gpus_per_task}"] if gpus_per_task else []
+    return lines + ([f"#SBATCH --gres={gres}"] if gres else [])
+
+
+def configure_gpus(cluster: ipp.Cluster, gpus_per_task: int = 0, gres: str = "") -> None:
+    """Make ``cluster`` (``engines="slurm"``) ask for GPUs in its engines' job script."""
+    lines = sbatch_gpu_lines(gpus_per_task, gres)  # bad values refused before anything runs
+    if lines:
+        cluster.engine_launcher_class = SlurmGPUEngineSetLauncher
+        space = cluster.config.SlurmEngineSetLauncher
+        space.namespace = {**space.get("namespace", {}), GPU_REQUEST: "\n".join(lines)}
 
 
 def _launcher(cluster: ipp.Cluster, work_dir: str):
@@ -55,8 +103,11 @@ def mpi_engine_command(n: int, hostfile: str, mpiexec: str = "mpiexec") -> list[
 
 
 def slurm_engine_script(n: int, timelimit: str = "00:30:00", queue: str | None = None,
-                        account: str | None = None, mpi: bool = True) -> str:
+                        account: str | None = None, mpi: bool = True, *,
+                        gpus_per_task: int = 0, gres: str = "") -> str:
     """The sbatch script ``ipp.Cluster(engines="slurm")`` would submit for n engines.
+
+    ``gpus_per_task`` / ``gres`` ask for GPUs (see the module docstring).
 
     ``mpi`` passes ``--mpi`` to every engine (``SlurmEngineSetLauncher.engine_args``),
     as ``engines="mpi"`` does: each engine then initialises MPI, so the n tasks that
@@ -73,6 +124,7 @@ def slurm_engine_script(n: int, timelimit: str = "00:30:00", queue: str | None =
         cluster.config.SlurmLauncher.account = account
     if mpi:
         cluster.config.SlurmEngineSetLauncher.engine_args = ["--mpi"]
+    configure_gpus(cluster, gpus_per_task, gres)
     with tempfile.TemporaryDirectory() as tmp:
         launcher = _launcher(cluster, tmp)
         launcher.write_batch_script(n)

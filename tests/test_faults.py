@@ -234,7 +234,7 @@ def test_versus_source_runs_the_source_on_loopback_and_ends_it_on_sigterm(
     (source / "main_franke.py").write_text(FAKE_SOURCE)
     versus = subprocess.Popen(
         [sys.executable, "-m", "pcourse.bench", "versus-source", "--source", str(source),
-         "--rounds", "1", "--ranks", "2", "--epochs", "1"],
+         "--rounds", "1", "--ranks", "2", "--epochs", "1", "--skip-hydra"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "FAKE_SOURCE_PIDS": str(pids), "PCOURSE_TEST_OWNER": mark})
     try:

@@ -180,3 +180,28 @@ def test_every_character_the_ranks_print_comes_back(tmp_path: Path) -> None:
     out = mpirun(2, [_script(tmp_path, body)], timeout=60).stdout
     assert "rank 0: α×β" in out and "rank 1: α×β" in out
     assert out.count("stderr: ü") == 2 and out.count("after") == 2
+
+
+def test_the_job_ends_when_every_rank_has_reported_its_exit() -> None:
+    # A launcher that lingers after its ranks exit (as MPICH's forker does, for up to
+    # about two seconds): the job must end on the ranks' reports, with their worst code.
+    from pcourse.cluster.launch import run_in_session
+    from pcourse.cluster.rank_exit import RANK_EXIT
+
+    lingering = f'echo out; echo "{RANK_EXIT} 0"; echo "{RANK_EXIT} 3"; exec sleep 60'
+    out, code = run_in_session(["sh", "-c", lingering], timeout=30, ranks=2)
+    assert code == 3 and out == "out\n"
+    short = lingering.replace("sleep 60", "sleep 1")  # a rank missing: the launcher decides
+    out, code = run_in_session(["sh", "-c", short], timeout=30, ranks=3)
+    assert code == 0 and out == "out\n"
+
+
+@pytest.mark.mpi
+def test_a_rank_wrapper_passes_on_exit_codes_and_signals(tmp_path: Path) -> None:
+    body = ("import os, signal\nfrom mpi4py import MPI\nr = MPI.COMM_WORLD.rank\n"
+            "os.write(1, b'rank %d\\n' % r)\nMPI.COMM_WORLD.Barrier()\n"
+            "raise SystemExit(5 if r == 2 else 0)")
+    result = mpirun(3, [_script(tmp_path, body)], timeout=60, check=False)
+    assert result.returncode == 5, result.stdout
+    assert sorted(result.stdout.split("\n"))[-3:] == ["rank 0", "rank 1", "rank 2"]
+    assert "pcourse-rank-exited" not in result.stdout

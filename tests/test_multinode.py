@@ -32,3 +32,63 @@ def test_the_slurm_script_starts_mpi_engines_only_when_asked(mpi):
     for option in ("--ntasks=8", "--time=00:10:00", "--partition=cpu"):
         assert f"#SBATCH {option}" in script
     assert "<pid>" in script  # the same text on every run
+
+
+def _sbatch(script: str) -> list[str]:
+    return [line for line in script.splitlines() if line.startswith("#SBATCH ")]
+
+
+@pytest.mark.parametrize("gpus_per_task, gres, wanted", [
+    (1, "", ["--gpus-per-task=1"]),
+    (2, "", ["--gpus-per-task=2"]),
+    (0, "gpu:4", ["--gres=gpu:4"]),
+    (1, "gpu:a100:4", ["--gpus-per-task=1", "--gres=gpu:a100:4"]),
+])
+def test_the_slurm_script_asks_for_the_gpus_it_is_given(gpus_per_task, gres, wanted):
+    plain = multinode.slurm_engine_script(4, queue="gpu")
+    script = multinode.slurm_engine_script(4, queue="gpu", gpus_per_task=gpus_per_task,
+                                           gres=gres)
+    added = [line for line in _sbatch(script) if line not in _sbatch(plain)]
+    assert added == [f"#SBATCH {w}" for w in wanted]
+    for option in ("--ntasks=4", "--partition=gpu", "--time=00:30:00"):  # kept
+        assert f"#SBATCH {option}" in script
+    lines = script.splitlines()
+    srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert all(lines.index(a) < srun for a in added)  # options before the first command
+
+
+def test_no_gpu_request_without_gpus():
+    script = multinode.slurm_engine_script(4)
+    assert "gpu" not in script and "gres" not in script
+
+
+@pytest.mark.parametrize("gpus_per_task, gres, says", [
+    (-1, "", "gpus_per_task must be a whole number >= 0.*-1"),
+    (1.5, "", "gpus_per_task.*1.5"),
+    (True, "", "gpus_per_task.*True"),
+    (0, "gpu 2", "gres must be .*'gpu 2'"),
+])
+def test_a_bad_gpu_request_is_refused_naming_it(gpus_per_task, gres, says):
+    with pytest.raises(ValueError, match=says):
+        multinode.slurm_engine_script(2, gpus_per_task=gpus_per_task, gres=gres)
+
+
+def test_a_slurm_cluster_asks_for_the_gpus_its_job_is_given(monkeypatch, tmp_path):
+    """start_cluster(n, slurm=Slurm(gpus_per_task=1)) and $PCOURSE_SLURM pass the request
+    to the job script the cluster's launcher writes."""
+    from pcourse.cluster import engines
+
+    monkeypatch.setenv(engines.SLURM_ENV, "partition=gpu gpus_per_task=1 gres=gpu:2")
+    slurm = engines.Slurm.from_env()
+    assert (slurm.gpus_per_task, slurm.gres) == (1, "gpu:2")
+    cluster = engines._make_slurm_cluster(2, tmp_path, {}, slurm)
+    launcher = cluster.engine_launcher_class(
+        work_dir=str(tmp_path), config=cluster.config, cluster_id="t",
+        profile_dir=str(tmp_path / "profile"), log=cluster.log)
+    launcher.write_batch_script(2)
+    sbatch = _sbatch(open(launcher.batch_file).read())
+    assert "#SBATCH --gpus-per-task=1" in sbatch and "#SBATCH --gres=gpu:2" in sbatch
+    assert "#SBATCH --partition=gpu" in sbatch
+    monkeypatch.setenv(engines.SLURM_ENV, "gpus_per_task=one")
+    with pytest.raises(engines.ClusterError, match="gpus_per_task=one"):
+        engines.Slurm.from_env()

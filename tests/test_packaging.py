@@ -48,11 +48,21 @@ def test_environment_yml_matches_pyproject():
     )
 
 
+def _gpu_family(pip_name: str) -> str:
+    """conda-forge's name for a GPU wheel of one CUDA: cupy-cuda12x -> cupy, nvidia-nccl-cu13
+    -> nccl (conda-forge builds one package for every CUDA)."""
+    return re.sub(r"^nvidia-nccl-cu\d+$", "nccl", re.sub(r"^cupy-cuda\d+x$", "cupy", pip_name))
+
+
 def test_gpu_extra_is_listed_for_conda_users():
+    from pcourse.checks.gpu_check import GPU_EXTRAS
+
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    gpu = {_name(r) for r in project["optional-dependencies"]["gpu"]}
-    commented = {CONDA_TO_PIP.get(n, n) for n in re.findall(
-        r"^\s+# - ([A-Za-z0-9_.-]+)", (REPO / "environment.yml").read_text(), re.M)}
+    extras = project["optional-dependencies"]
+    gpu = {_gpu_family(_name(r)) for extra in GPU_EXTRAS.values() for r in extras[extra]}
+    commented = set(re.findall(r"^\s+# - ([A-Za-z0-9_.-]+)",
+                               (REPO / "environment.yml").read_text(), re.M))
+    assert gpu == {"cupy", "nccl"}
     assert gpu <= commented, f"gpu extra not mentioned in environment.yml: {gpu - commented}"
 
 
@@ -188,3 +198,76 @@ def test_ci_keeps_to_the_wheels_it_has_and_installs_the_book_extra(tmp_path):
     (book,) = [ln for ln in _planned("book-setup", tmp_path) if '-e ".[' in ln
                and "book" in ln]
     assert '".[test,book]"' in book, book
+
+
+# ---------------------------------------------------------------- the GPU extras
+def test_each_gpu_extra_is_one_cupy_and_the_nccl_of_one_cuda():
+    """gpu-cuNN: the CuPy wheel and NCCL's wheel built for CUDA NN, nothing else, so a venv
+    gets one NCCL (torch's CUDA NN wheel depends on that same NCCL distribution)."""
+    from pcourse.checks.gpu_check import GPU_EXTRAS
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert "gpu" not in extras, "one extra for every CUDA mixes two NCCLs: use gpu-cuNN"
+    named = {n for n in extras if re.fullmatch(r"gpu.*", n)}
+    assert named == set(GPU_EXTRAS.values()), f"extras {named} vs gpu_check {GPU_EXTRAS}"
+    for major, extra in GPU_EXTRAS.items():
+        names = {_name(r) for r in extras[extra]}
+        assert names == {f"cupy-cuda{major}x", f"nvidia-nccl-cu{major}"}, (extra, names)
+
+
+@pytest.mark.parametrize("cuda, extra", [("12.8", "gpu-cu12"), ("12.1", "gpu-cu12"),
+                                         ("13.0", "gpu-cu13"), ("13", "gpu-cu13")])
+def test_the_extra_follows_torchs_cuda_version(cuda, extra):
+    from pcourse.checks.gpu_check import extra_for
+
+    assert extra_for(cuda) == extra
+
+
+@pytest.mark.parametrize("cuda, says", [(None, "CPU-only"), ("", "CPU-only"),
+                                        ("11.8", "CUDA 11.8"), ("14.0", "CUDA 14.0")])
+def test_a_torch_without_a_matching_extra_is_refused_naming_its_cuda(cuda, says):
+    from pcourse.checks.gpu_check import extra_for
+
+    with pytest.raises(ValueError, match=says):
+        extra_for(cuda)
+
+
+def test_this_torchs_extra_names_torchs_own_nccl():
+    """Derived from the torch installed here: a CUDA build's extra names the NCCL wheel that
+    torch itself requires (one NCCL); a CPU build is refused by the Makefile's chooser."""
+    import importlib.metadata
+
+    import torch
+
+    done = subprocess.run([sys.executable, "-m", "pcourse.checks.gpu_check", "--which-extra"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    if torch.version.cuda is None:
+        assert done.returncode == 2 and "CPU-only" in done.stderr, done.stdout + done.stderr
+        return
+    assert done.returncode == 0, done.stderr
+    extra = done.stdout.strip()
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    nccl = {_name(r) for r in extras[extra] if _name(r).startswith("nvidia-nccl")}
+    torch_needs = {_name(r) for r in importlib.metadata.requires("torch") or []}
+    assert nccl <= torch_needs, f"{extra} adds {nccl}, torch needs {torch_needs}: two NCCLs"
+
+
+def test_make_gpu_check_installs_the_extra_of_torchs_cuda():
+    text = (REPO / "Makefile").read_text()
+    recipe = text[text.index("$(GPU_STAMP): $(STAMP)"):].split("\n\n", 1)[0]
+    assert "pcourse.checks.gpu_check --which-extra" in recipe and "|| exit 1" in recipe
+    assert '".[test,$$extra]"' in recipe and ".[test,gpu]" not in text
+
+
+@pytest.mark.parametrize("cuda, says", [(None, "needs a CUDA build of torch"),
+                                        ("12.8", "'.[gpu-cu12]'"), ("13.0", "'.[gpu-cu13]'"),
+                                        ("11.8", "no GPU extra for torch's CUDA 11.8")])
+def test_a_missing_cupy_is_told_the_extra_of_its_torch(monkeypatch, cuda, says):
+    import torch
+
+    from pcourse.checks.gpu_check import extra_hint
+
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    assert says in extra_hint()

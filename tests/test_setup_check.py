@@ -185,3 +185,95 @@ def test_troubleshooting_table_has_every_reason_and_its_fix():
     assert codes == list(setup_check.REASONS)
     for row, reason in zip(rows, setup_check.REASONS.values(), strict=True):
         assert reason.fix.replace("|", "\\|") in row
+
+
+# ---------------------------------------------------------------- GPUs, faked
+def _fake_gpus(monkeypatch, n: int) -> None:
+    """``n`` GPUs, with the NCCL backends' libraries present."""
+    import pcourse.backends as backends
+    from pcourse.cluster import rankinfo
+
+    monkeypatch.setattr(backends, "_library_reason", lambda name: "")
+    monkeypatch.setattr(rankinfo, "gpu_count", lambda: n)
+
+
+def _check_with_engines(monkeypatch, n: int, gpus: int) -> tuple[bool, list[str]]:
+    """The whole check on ``n`` fake engines and ``gpus`` fake GPUs: every backend the
+    engines are asked to test answers the right sum. Returns (ready, backends tested)."""
+    right = _Result([[n * (n + 1) / 2] * 5] * n)
+    tested = []
+
+    class Cluster(_FakeCluster):
+        def apply_async(self, fn, name):
+            tested.append(name)
+            return right
+
+        def table(self):
+            return ""
+
+    cluster = Cluster({})
+    cluster.n = n
+    _fake_gpus(monkeypatch, gpus)
+    monkeypatch.setattr(setup_check, "find_mpiexec", lambda: "mpiexec")
+    monkeypatch.setattr(setup_check, "start_cluster", lambda k: cluster)
+    monkeypatch.setattr(setup_check, "stop_cluster", lambda mc: None)
+    monkeypatch.setattr(setup_check, "print_versions", lambda: None)
+    return setup_check.run(n), tested
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_gpu_backends_are_tested_only_with_a_gpu_per_engine(monkeypatch, capsys, gpus):
+    """One GPU, two engines: NCCL is listed as not usable, with the reason, and not
+    tested; never "usable", then "FAILED", then READY. Two GPUs: both are tested."""
+    ready, tested = _check_with_engines(monkeypatch, 2, gpus)
+    out = capsys.readouterr().out
+    assert ready and out.strip().splitlines()[-1] == "READY"
+    rows = {line.split()[0]: line for line in out.splitlines()
+            if line.split() and line.split()[0] in BACKENDS}
+    if gpus < 2:
+        assert tested == ["mpi", "mpi-pickle", "gloo"]
+        for name in ("nccl", "nccl-cupy"):
+            assert rows[name].split()[1] == "no"
+            assert "needs one GPU per rank: 2 ranks, 1 GPU(s) here" in rows[name]
+            assert f"allreduce over {name}" not in out
+    else:
+        assert tested == list(BACKENDS)
+        assert all(rows[name].split()[1] == "yes" for name in ("nccl", "nccl-cupy"))
+    assert "FAILED" not in out
+
+
+def test_one_engine_tests_the_gpu_backends_on_one_gpu(monkeypatch, capsys):
+    ready, tested = _check_with_engines(monkeypatch, 1, 1)
+    assert ready and "nccl" in tested and "nccl-cupy" in tested
+
+
+@pytest.mark.parametrize("installed, shown", [
+    ({}, "not installed"),
+    ({"cupy-cuda12x": "13.6.0"}, "13.6.0 (cupy-cuda12x)"),
+    ({"cupy-cuda13x": "14.2.0"}, "14.2.0 (cupy-cuda13x)"),
+    ({"cupy": "14.0.1"}, "14.0.1"),
+    ({"cupy-cuda12x": "13.6.0", "cupy-cuda13x": "14.2.0"},
+     "13.6.0 (cupy-cuda12x), 14.2.0 (cupy-cuda13x)"),  # two at once: both shown
+])
+def test_the_versions_name_any_cupy_wheel(monkeypatch, installed, shown):
+    import importlib.metadata
+
+    class Dist:
+        def __init__(self, name, version):
+            self.metadata, self.version = {"Name": name}, version
+
+    others = [Dist("cupyx-extras", "1.0"), Dist("numpy", "2.0"), Dist("Cupy-Cuda", "9")]
+    monkeypatch.setattr(importlib.metadata, "distributions",
+                        lambda: others + [Dist(n, v) for n, v in installed.items()])
+    assert setup_check.cupy_version() == shown
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_one_engine_checks_the_nccl_backends_on_a_gpu():
+    result = subprocess.run([sys.executable, "-m", "pcourse.checks.setup_check", "-n", "1"],
+                            capture_output=True, text=True, timeout=300)
+    out = result.stdout
+    assert result.returncode == 0 and out.strip().splitlines()[-1] == "READY", out + result.stderr
+    assert "allreduce over nccl        OK" in out, out

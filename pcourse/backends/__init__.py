@@ -15,7 +15,9 @@ nccl-cupy      CuPy's NCCL bindings                         GPU
 CuPy backends run on an MPI job; the torch ones also on a torch.distributed
 process group, under torchrun or torch.multiprocessing
 (:mod:`pcourse.backends.torch_dist`). :func:`unavailable_reason` says, without
-communicating, why this machine cannot run one.
+communicating, why this machine cannot run one, and given a rank count, why not
+with that many ranks (the NCCL backends need one GPU per rank; at one rank they
+run, and check the plumbing, not a reduction across GPUs).
 """
 
 from __future__ import annotations
@@ -87,9 +89,15 @@ def _cuda_reason() -> str:
     return ""
 
 
+def _install_hint() -> str:
+    from pcourse.checks.gpu_check import extra_hint
+
+    return extra_hint()
+
+
 def _cupy_nccl_reason() -> str:
     if importlib.util.find_spec("cupy") is None:
-        return "cupy not installed (pip install -e '.[gpu]')"
+        return f"cupy not installed ({_install_hint()})"
     try:
         import cupy  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any import failure makes it unusable
@@ -97,9 +105,9 @@ def _cupy_nccl_reason() -> str:
     try:
         from cupy.cuda import nccl
     except Exception:  # noqa: BLE001
-        return "NCCL library missing (pip install nvidia-nccl-cu12)"
+        return f"NCCL library missing ({_install_hint()})"
     if not getattr(nccl, "available", True):  # some CuPy builds import a stub
-        return "NCCL library missing (pip install nvidia-nccl-cu12)"
+        return f"NCCL library missing ({_install_hint()})"
     try:
         import cupy
 
@@ -110,12 +118,35 @@ def _cupy_nccl_reason() -> str:
     return ""
 
 
-def unavailable_reason(name: str) -> str:
+def unavailable_reason(name: str, ranks: int | None = None) -> str:
     """Why this machine cannot run backend ``name``; empty when it can.
 
-    Local checks only (libraries, devices); no communication, so it is safe to
-    call from a notebook kernel that is not an MPI rank.
+    ``ranks``: the number of ranks that would run it on this machine (a notebook's
+    engines): a GPU backend with fewer GPUs than ranks cannot, since NCCL refuses two
+    ranks on one GPU. Local checks only (libraries, devices); no communication, so it
+    is safe to call from a notebook kernel that is not an MPI rank.
     """
+    reason = _library_reason(name)
+    if reason or ranks is None:
+        return reason
+    return too_few_gpus(name, ranks)
+
+
+def too_few_gpus(name: str, ranks: int) -> str:
+    """Why backend ``name`` cannot run ``ranks`` ranks on this machine's GPUs; "" if it can
+    (or needs no GPU). NCCL refuses two ranks on one GPU; one rank on one GPU runs."""
+    if not backend_class(name).needs_gpu:
+        return ""
+    from pcourse.cluster.rankinfo import gpu_count
+
+    if ranks > gpu_count():
+        return (f"needs one GPU per rank: {ranks} ranks, {gpu_count()} GPU(s) here "
+                f"(start at most {gpu_count()}; one rank checks the plumbing, not the "
+                "reduction)")
+    return ""
+
+
+def _library_reason(name: str) -> str:
     if name in ("mpi", "mpi-pickle"):
         if importlib.util.find_spec("mpi4py") is None:
             return "mpi4py not installed"
@@ -140,11 +171,12 @@ def unavailable_reason(name: str) -> str:
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 
-def backend_status() -> list[BackendStatus]:
-    """Usable / not usable, with the reason, for every backend on this machine."""
+def backend_status(ranks: int | None = None) -> list[BackendStatus]:
+    """Usable / not usable, with the reason, for every backend on this machine
+    (at ``ranks`` ranks, if given: see :func:`unavailable_reason`)."""
     rows = []
     for name in BACKENDS:
-        reason = unavailable_reason(name)
+        reason = unavailable_reason(name, ranks)
         if reason:
             rows.append(BackendStatus(name, False, reason))
         else:

@@ -8,8 +8,13 @@ CUDA stream so that it is ordered after the kernels that produced the gradients
 and before those that use them, without any synchronisation of our own.
 
 NCCL's kernels run on the stream while the CPU goes on, so the backend itself waits
-only for the agreement check's result and in ``barrier``: interruptibly, and at most
-``timeout`` seconds (a hang elsewhere shows where torch next synchronises with the GPU).
+only for the agreement check's result, in ``barrier`` and in ``close``: interruptibly,
+and at most ``timeout`` seconds (a hang elsewhere shows where torch next synchronises
+with the GPU). A ``close`` whose wait ends early aborts the communicator, which ends
+the kernels that wait for a peer that is gone.
+
+At one rank it runs too (one GPU is the common machine): that checks the plumbing
+(device, stream, dtypes, the communicator), not a reduction across GPUs.
 
 CuPy is imported only inside the constructor: ``import pcourse`` must work on a
 laptop without CUDA, where CuPy may be missing or fail at its first CUDA call.
@@ -18,13 +23,14 @@ laptop without CUDA, where CuPy may be missing or fail at its first CUDA call.
 from __future__ import annotations
 
 import socket
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
 from pcourse.backends.base import Backend, BackendUnavailable, collective_timeout, private_comm
-from pcourse.cluster.interrupts import wait_until
+from pcourse.cluster.interrupts import CollectiveTimeout, wait_until
 
 # torch dtype -> name of the constant in cupy.cuda.nccl (looked up lazily).
 DTYPES = {
@@ -122,9 +128,7 @@ class CupyNCCLBackend(Backend):
         self._agree(tensor, check, root=root)
         t = tensor.detach()
         buf = t if t.is_contiguous() else t.contiguous()
-        # A broadcast moves bytes: types NCCL does not know travel as uint8.
-        const = DTYPES.get(buf.dtype)
-        raw = buf if const and hasattr(self._nccl, const) else buf.view(torch.uint8)
+        raw = as_nccl_bytes(buf, self._nccl)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self._live().bcast(raw.data_ptr(), raw.numel(), self._dtype(raw.dtype), root, stream)
         if buf.data_ptr() != tensor.data_ptr():
@@ -148,12 +152,40 @@ class CupyNCCLBackend(Backend):
         self._wait_for(lambda: wait_until(done.query, self.timeout, what), what)
 
     def close(self) -> None:
+        """Wait (at most ``timeout`` s) for the stream's work, then free the communicator.
+
+        A rank whose wait ends early (a peer died, an interrupt) aborts the communicator
+        instead: its kernels would wait forever for the peer, and destroy with them.
+        """
         global _current
-        if getattr(self, "_comm", None) is not None and self._gave_up:
-            self._comm.abort()  # its kernels wait for peers that never come: end them
-        elif getattr(self, "_comm", None) is not None:
-            torch.cuda.synchronize(self.device)
-            self._comm.destroy()
+        comm, interrupted = getattr(self, "_comm", None), None
+        if comm is not None and not self._gave_up:
+            try:
+                self._sync("close")
+            except CollectiveTimeout as exc:
+                warnings.warn(f"nccl-cupy close: {exc}; the communicator is aborted",
+                              RuntimeWarning, stacklevel=2)
+            except BaseException as exc:  # an interrupt: abort, then let it go on
+                interrupted = exc
+        if comm is not None and self._gave_up:
+            comm.abort()  # its kernels wait for peers that never come: end them
+        elif comm is not None:
+            comm.destroy()
         self._comm = None
         if _current is self:
             _current = None
+        if interrupted is not None:
+            raise interrupted
+
+
+def as_nccl_bytes(buf: torch.Tensor, nccl: Any) -> torch.Tensor:
+    """``buf`` itself if NCCL has its dtype, else the same memory as a flat uint8 tensor.
+
+    A broadcast only moves bytes, so a dtype NCCL lacks (bool, int16, complex) travels
+    as uint8. ``buf`` must be contiguous; a 0-dim tensor is flattened first, since a
+    view as another element size needs at least one dimension.
+    """
+    const = DTYPES.get(buf.dtype)
+    if const and hasattr(nccl, const):
+        return buf
+    return buf.reshape(-1).view(torch.uint8)

@@ -23,12 +23,21 @@ applies:
 
 Nothing listens beyond this machine unless a run asks for it: when the meeting
 address is a loopback address, Gloo and NCCL bind to the loopback interface too,
-unless ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` name another (lesson 09).
+unless ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` name another (lesson 09). The
+default group on a CUDA machine is ``cpu:gloo,cuda:nccl``, half of each, so its
+rendezvous sets both.
 
 Every collective has a deadline: ``timeout`` (default:
 :func:`pcourse.backends.base.collective_timeout`) is the process group's timeout,
 after which a stuck collective raises instead of hanging. Gloo's collectives are
-waited for in short slices, so that an interrupt stops the wait between two.
+waited for in short slices, so that an interrupt stops the wait between two; the
+NCCL barrier, the one NCCL wait that blocks the CPU, is polled likewise. NCCL's
+groups are made with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless it is set: torch's
+default (3) ends the whole process when a collective times out, which would kill a
+notebook's engine instead of raising in it.
+
+At one rank the NCCL backend runs too (one GPU is the common machine): it then
+checks the plumbing (device, stream, dtypes, the group), not a reduction across GPUs.
 """
 
 from __future__ import annotations
@@ -57,6 +66,10 @@ from pcourse.cluster.rankinfo import gpu_for, launcher, mpi_local_rank, use_gpu
 # How long one blocking wait for a Gloo collective lasts: Python runs the handler of an
 # interrupt only between two, so this is how late the stop button can be.
 _SLICE = timedelta(milliseconds=50)
+IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+# torch reads it when it makes an NCCL group: 2 aborts the communicator on an error or
+# a timeout and raises in the waiting thread; torch's default (3) ends the process.
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 # torch.distributed has one default process group per process. The first backend that
 # needs it creates it; every backend object then gets its *own* group on top of it with
@@ -95,7 +108,8 @@ class _TorchBackend(AsyncBackend):
         else:
             self._from_mpi(comm, device)  # 3. the MPI bootstrap
         self.address = _address
-        with socket_ifname(self.ifname_var, _is_loopback(_address.rpartition(":")[0])):
+        with socket_ifname(self.ifname_var, _is_loopback(_address.rpartition(":")[0])), \
+                _nccl_error_handling():
             self.group = dist.new_group(backend=self.dist_backend,
                                         timeout=timedelta(seconds=self.timeout))
             _users += 1
@@ -106,7 +120,7 @@ class _TorchBackend(AsyncBackend):
         dist = self._dist
         if not dist.is_initialized():
             master = os.environ.get("MASTER_ADDR", "")
-            with socket_ifname(self.ifname_var, _is_loopback(master)):
+            with socket_ifname(IFNAME_VARS, _is_loopback(master)), _nccl_error_handling():
                 dist.init_process_group(_default_kind(), init_method="env://",
                                         timeout=timedelta(seconds=self.timeout))
             _own_default = True
@@ -138,10 +152,21 @@ class _TorchBackend(AsyncBackend):
         self._check_in_step()
         return self.group
 
-    def _wait(self, handle: Any, what: str) -> None:
-        """Wait for a collective torch started; an interrupt stops a Gloo wait."""
+    def _wait(self, handle: Any, what: str, poll: bool = False) -> None:
+        """Wait for a collective torch started; an interrupt stops a Gloo wait.
+
+        ``poll``: for a wait that blocks the CPU (NCCL's barrier), ask until it is done,
+        so an interrupt stops it too, and CollectiveTimeout after the backend's timeout.
+        """
+
+        def wait() -> None:
+            if poll:
+                _poll_work(handle, self.timeout, what)
+            else:
+                _wait_work(handle, self.dist_backend == "gloo")
+
         try:
-            self._wait_for(lambda: _wait_work(handle, self.dist_backend == "gloo"), what)
+            self._wait_for(wait, what)
         except BaseException:
             self._given_up = handle  # close() must know whether it still runs
             raise
@@ -226,8 +251,27 @@ def _wait_work(handle: Any, in_slices: bool) -> None:
             handle.wait(timeout=_SLICE)  # returns as soon as the collective is done
             return
         except RuntimeError:
-            if handle.is_completed():  # the collective failed, not the slice
-                raise
+            if handle.is_completed():
+                # The slice ended, and the collective is done: it may have completed
+                # just as the slice timed out, so this error may be the slice's. A
+                # wait on a completed collective returns, or raises its own error.
+                handle.wait()
+                return
+
+
+def _poll_work(handle: Any, timeout: float, what: str) -> None:
+    """Wait for ``handle`` by asking whether it is done, interruptibly, at most ``timeout`` s.
+
+    For a torch collective whose ``wait()`` blocks the CPU without a way to interrupt
+    it (the NCCL barrier); ``is_completed()`` only asks, and is also true once the
+    collective failed (timed out, aborted). The final wait returns at once, or raises
+    the collective's error: with a timeout, since NCCL's ``wait()`` without one and
+    without TORCH_NCCL_BLOCKING_WAIT does not look for an error at all.
+    """
+    from pcourse.cluster.interrupts import wait_until
+
+    wait_until(handle.is_completed, timeout, what)
+    handle.wait(timeout=_SLICE)
 
 
 def _copy_back(tensor: torch.Tensor, buf: torch.Tensor) -> None:
@@ -274,7 +318,10 @@ class NCCLBackend(_TorchBackend):
         self.barrier()
 
     def barrier(self) -> None:
-        self._dist.barrier(group=self._live(), device_ids=[self.device.index])
+        # Its wait blocks the CPU until the GPU has done it: polled, so an interrupt or
+        # the deadline ends it.
+        self._wait(self._dist.barrier(group=self._live(), async_op=True,
+                                      device_ids=[self.device.index]), "barrier", poll=True)
 
 
 def pick_gpu(name: str, device: str | torch.device | None, mpi: Any) -> torch.device:
@@ -356,7 +403,9 @@ def _ensure_default_group(mpi: Any, ifname_var: str, timeout: float) -> None:
             "rank, then create the backend again"
         )
     store, address = rendezvous(mpi, ifname_var, timeout)
-    with socket_ifname(ifname_var, _is_loopback(address.rpartition(":")[0])):
+    # The default group may be cpu:gloo,cuda:nccl: both libraries bind sockets.
+    with socket_ifname(IFNAME_VARS, _is_loopback(address.rpartition(":")[0])), \
+            _nccl_error_handling():
         _everyone(mpi, lambda: dist.init_process_group(
             _default_kind(), store=store, rank=mpi.Get_rank(), world_size=mpi.Get_size(),
             timeout=timedelta(seconds=timeout)))
@@ -484,20 +533,37 @@ def _is_loopback(host: str) -> bool:
 
 
 @contextmanager
-def socket_ifname(var: str, loopback: bool) -> Iterator[None]:
+def socket_ifname(var: str | tuple[str, ...], loopback: bool) -> Iterator[None]:
     """With ``loopback``, Gloo/NCCL bind to the loopback interface unless ``var`` names one.
 
-    The libraries read the variable when they open their sockets, so it is set only
-    for that moment and the process's environment is left as it was.
+    ``var`` is one variable or several (the default group ``cpu:gloo,cuda:nccl`` needs
+    both, each left alone where it is set). The libraries read them when they open
+    their sockets, so they are set only for that moment and the process's environment
+    is left as it was.
     """
-    if not loopback or os.environ.get(var):
+    names = (var,) if isinstance(var, str) else var
+    unset = [v for v in names if not os.environ.get(v)] if loopback else []
+    with _env(dict.fromkeys(unset, "lo0" if sys.platform == "darwin" else "lo")):
         yield
-        return
-    os.environ[var] = "lo0" if sys.platform == "darwin" else "lo"
+
+
+@contextmanager
+def _nccl_error_handling() -> Iterator[None]:
+    """:data:`NCCL_ERROR_HANDLING` while a group is made, unless the user set the variable."""
+    var, value = NCCL_ERROR_HANDLING
+    with _env({} if os.environ.get(var) else {var: value}):
+        yield
+
+
+@contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    """Environment variables ``values`` (unset before) inside the block, unset after."""
+    os.environ.update(values)
     try:
         yield
     finally:
-        del os.environ[var]
+        for var in values:
+            os.environ.pop(var, None)
 
 
 def interface_address(spec: str) -> str:

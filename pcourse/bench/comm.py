@@ -79,8 +79,11 @@ class CommSpec:
         """Refuse what cannot run, before anything runs or is written."""
         bad = [n for n in self.ranks if n < 2]
         if bad:
-            raise jobs.BenchError(f"ranks: an allreduce needs at least 2 ranks to communicate, "
-                                  f"got {bad}")
+            raise jobs.BenchError(
+                f"ranks: an allreduce needs at least 2 ranks to communicate, got {bad}: at 1 "
+                "rank every method returns its input without a message, so its time would "
+                "measure no communication. On a one-GPU machine, `make gpu-check` runs the "
+                "NCCL backends at 1 rank, which checks their plumbing, not a reduction")
         if world is not None and max(self.ranks) > world:
             raise jobs.BenchError(f"ranks {max(self.ranks)} asked for, but the cluster has "
                                   f"{world} engine(s)")

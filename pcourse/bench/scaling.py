@@ -21,6 +21,11 @@ Repeats are rounds over all configurations, not back-to-back runs of one: a
 machine that slows down part-way slows every configuration alike. Before its first
 timed run, each (backend, ranks) trains a few untimed updates (:func:`warm_up`), so
 that no configuration's time carries the first run's one-off costs.
+
+Every row says which device its backend trained on (``device``: on a CUDA machine the
+MPI and NCCL backends train on the GPU, Gloo on the CPU). The summary table shows it,
+and says so when its backends ran on different devices: their times then compare
+devices as well as libraries.
 """
 
 from __future__ import annotations
@@ -35,19 +40,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pcourse.backends import BACKENDS, backend_class
+from pcourse.backends import BACKENDS
 from pcourse.bench import jobs
+from pcourse.bench.flops import print_limits
 from pcourse.bench.jobs import BenchError, Outcome
 from pcourse.cluster.rankinfo import launcher
 from pcourse.utils.io import write_csv
 from pcourse.workloads.config import CONFIGS, FrankeConfig, MNISTConfig, batch_sizes
 
 CPU_BACKENDS = ("mpi", "mpi-pickle", "gloo")
-FIELDS = ["workload", "backend", "ranks", "repeat", "scaling", "epochs", "global_batch",
+FIELDS = ["workload", "backend", "device", "ranks", "repeat", "scaling", "epochs", "global_batch",
           "local_batch", "steps_per_epoch", "train_time", "total_time", "wall_time",
           "final_loss", "test_loss", "max_deviation",
           "samples_per_epoch", "time_per_step", "samples_per_s",
-          "backend_time", "data_time", "optimizer_time", "eval_time", "close_time"]
+          "backend_time", "data_time", "optimizer_time", "eval_time", "close_time",
+          "threads", "flops_per_sample", "matmul_flops"]
 
 
 @dataclass(frozen=True)
@@ -71,15 +78,9 @@ class ScalingSpec:
 
 def skip_reason(backend: str, ranks: int) -> str:
     """Why this machine cannot run ``backend`` at ``ranks`` ("" if it can)."""
-    from pcourse.backends import unavailable_reason
+    from pcourse.backends import too_few_gpus, unavailable_reason
 
-    reason = unavailable_reason(backend)
-    if not reason and backend_class(backend).needs_gpu:
-        from pcourse.cluster.rankinfo import gpu_count
-
-        if ranks > gpu_count():
-            reason = f"NCCL needs one GPU per rank: {ranks} ranks, {gpu_count()} GPU(s)"
-    return reason
+    return unavailable_reason(backend) or too_few_gpus(backend, ranks)
 
 
 def measure(comm: Any, spec: ScalingSpec, progress: jobs.Progress) -> None:
@@ -178,7 +179,29 @@ def run_once(comm: Any, spec: ScalingSpec, backend_name: str, repeat: int) -> di
     row["time_per_step"] = row["train_time"] / steps
     row["samples_per_s"] = row["epochs"] * row["samples_per_epoch"] / row["train_time"]
     row["wall_time"] = time.perf_counter() - start
+    row["threads"] = _threads(spec)
+    if repeat == 0:  # once per configuration, after the clocks stopped
+        row.update(compute_limit(comm, wl, result.model, row["threads"]))
     return row
+
+
+def _threads(spec: ScalingSpec) -> int:
+    """Torch threads per rank in training: the config's, else the rank's (init_rank's share)."""
+    import torch
+
+    return getattr(spec.config, "threads", None) or torch.get_num_threads()
+
+
+def compute_limit(comm: Any, wl: Any, model: Any, threads: int) -> dict:
+    """FLOPs per training sample, and every rank's matmul rate at ``threads``, summed."""
+    from pcourse.bench.flops import flops_per_sample, matmul_rate
+    from pcourse.cluster.rankinfo import threads as using
+
+    per_sample = flops_per_sample(wl, model)
+    comm.Barrier()  # all ranks multiply at once: they share the cores as in training
+    with using(threads):
+        rate = matmul_rate()
+    return {"flops_per_sample": per_sample, "matmul_flops": comm.allreduce(rate)}
 
 
 def _timed(fn: Any, phases: dict[str, float], name: str) -> Any:
@@ -248,12 +271,15 @@ def aggregate(rows: list[dict]) -> list[dict]:
         times = [r["train_time"] for r in runs]
         walls = [r["wall_time"] for r in runs]
         table.append({"backend": backend, "ranks": ranks, "runs": len(runs),
+                      "device": _device(runs),
                       "scaling": runs[-1]["scaling"],
                       "mean": statistics.fmean(times), "std": _std(times),
                       "wall": statistics.fmean(walls), "wall_std": _std(walls),
                       "per_step": statistics.fmean(_get(runs, "time_per_step")),
                       "throughput": statistics.fmean(_get(runs, "samples_per_s")),
-                      "loss": runs[-1]["final_loss"]})
+                      "loss": runs[-1]["final_loss"],
+                      "threads": runs[-1].get("threads", ""),
+                      **_first(runs, "flops_per_sample", "matmul_flops")})
     base = {t["backend"]: t for t in table if t["ranks"] == 1}
     for t in table:
         one = base.get(t["backend"])
@@ -267,6 +293,24 @@ def aggregate(rows: list[dict]) -> list[dict]:
     return table
 
 
+def _device(runs: list[dict]) -> str:
+    """The device type a configuration's runs trained on ("cpu", "cuda"; "?" in older
+    CSVs); a comma-separated list if its runs disagree."""
+    kinds = dict.fromkeys(str(r.get("device") or "?").split(":")[0] for r in runs)
+    return ",".join(kinds)
+
+
+def mixed_devices(table: list[dict]) -> str:
+    """A sentence naming each backend's device when the table's backends ran on more
+    than one kind of device; "" when they all ran on one."""
+    by_backend = {t["backend"]: t["device"] for t in table}
+    if len(set(by_backend.values())) < 2:
+        return ""
+    where = ", ".join(f"{b} on {d}" for b, d in by_backend.items())
+    return (f"the backends ran on different devices ({where}): their times compare the "
+            "devices as well as the backends")
+
+
 def _get(runs: list[dict], key: str) -> list[float]:
     """A derived column; computed for rows from before it existed (older CSVs)."""
     if all(r.get(key) not in (None, "") for r in runs):
@@ -277,19 +321,30 @@ def _get(runs: list[dict], key: str) -> list[float]:
     return [r["global_batch"] * s / r["train_time"] for r, s in zip(runs, steps, strict=True)]
 
 
+def _first(runs: list[dict], *keys: str) -> dict:
+    """Each key's first value among the runs (measured once per configuration), as float."""
+    return {k: next((float(r[k]) for r in runs if r.get(k) not in (None, "")), None)
+            for k in keys}
+
+
 def _std(values: list[float]) -> float:
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def print_table(table: list[dict]) -> None:
-    print(f"{'backend':>10} {'ranks':>5} {'train s (mean ± std)':>22} {'ms/update':>9} "
-          f"{'samples/s':>10} {'speed-up':>8} {'effic.':>6} {'wall s (mean ± std)':>21} "
-          f"{'final loss':>11}")
+    """The summary, one line per (backend, ranks), and a note if devices are mixed."""
+    print(f"{'backend':>10} {'device':>6} {'ranks':>5} {'train s (mean ± std)':>22} "
+          f"{'ms/update':>9} {'samples/s':>10} {'speed-up':>8} {'effic.':>6} "
+          f"{'wall s (mean ± std)':>21} {'final loss':>11}")
     for t in table:
-        print(f"{t['backend']:>10} {t['ranks']:>5} {t['mean']:>12.3f} ± {t['std']:<7.3f} "
+        print(f"{t['backend']:>10} {t['device']:>6} {t['ranks']:>5} "
+              f"{t['mean']:>12.3f} ± {t['std']:<7.3f} "
               f"{t['per_step'] * 1e3:>9.3f} {t['throughput']:>10.0f} {t['speedup']:>8.2f} "
               f"{t['efficiency']:>6.2f} {t['wall']:>11.2f} ± {t['wall_std']:<7.2f} "
               f"{t['loss']:>11.4g}")
+    mixed = mixed_devices(table)
+    if mixed:
+        print(f"note: {mixed}")
 
 
 def plot(table: list[dict], title: str, path: str | Path | None = None) -> Any:
@@ -302,14 +357,16 @@ def plot(table: list[dict], title: str, path: str | Path | None = None) -> Any:
     weak = any(t["scaling"] == "weak" for t in table)
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
+    mixed = bool(mixed_devices(table))
     for i, backend in enumerate(dict.fromkeys(t["backend"] for t in table)):
         pts = [t for t in table if t["backend"] == backend]
         ranks = [t["ranks"] for t in pts]
+        label = f"{backend} ({pts[0]['device']})" if mixed else backend
         if weak:
-            ax.plot(ranks, [t["throughput"] for t in pts], "o-", color=f"C{i}", label=backend)
+            ax.plot(ranks, [t["throughput"] for t in pts], "o-", color=f"C{i}", label=label)
         else:
             ax.errorbar(ranks, [t["mean"] for t in pts], yerr=[t["std"] for t in pts],
-                        marker="o", capsize=3, color=f"C{i}", label=backend)
+                        marker="o", capsize=3, color=f"C{i}", label=label)
         one = next((t for t in pts if t["ranks"] == 1), None)
         if one is not None:
             ideal = [one["throughput"] * p if weak else one["mean"] / p for p in ranks]
@@ -443,6 +500,7 @@ def report(args: argparse.Namespace, spec: ScalingSpec, outcome: Outcome) -> Non
     written = [jobs.save(stem.with_suffix(".csv"), lambda path: write_csv(path, rows, FIELDS))]
     table = aggregate(rows)
     print_table(table)
+    print_limits(table)
     title = f"{args.workload}, {scaling} scaling, {spec.config.epochs} epochs"
     try:
         if len({t["ranks"] for t in table}) > 1:

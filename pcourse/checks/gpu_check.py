@@ -6,7 +6,12 @@
 sizes, and compares each result with what MPI's ``COMM_WORLD.Allreduce`` computes
 from the same inputs on the host: an independent reference, since MPI shares no
 code with NCCL. It prints a table and PASS or FAIL.
-Without a GPU it prints why it cannot run and exits 0 (SKIPPED).
+Without a GPU it prints why it cannot run and exits 0 (SKIPPED). On one GPU it runs
+one rank, which checks the plumbing (devices, streams, dtypes, communicators), not a
+reduction across GPUs; it says so.
+
+``--which-extra`` prints the pip extra of the GPU libraries that match this torch
+(:func:`extra_for`): the Makefile's ``gpu-check`` installs that one.
 
 The comparison harness (:func:`check_allreduce`) is also what the tests use for the
 CPU backends.
@@ -22,6 +27,40 @@ import numpy as np
 import torch
 
 from pcourse.backends import OPS, Backend
+
+# CUDA major version of the torch build -> the extra (pyproject.toml) with the CuPy and
+# NCCL built for it. torch's CUDA wheels depend on NCCL's wheel of their own CUDA, so
+# the extra of the same CUDA names the very same distribution: one libnccl.so.2 in the
+# venv, never two (a second would overwrite torch's, and removing either removes it).
+GPU_EXTRAS = {"12": "gpu-cu12", "13": "gpu-cu13"}
+
+
+def extra_for(cuda_version: str | None) -> str:
+    """The extra for a torch built for ``cuda_version`` (``torch.version.cuda``).
+
+    ValueError, naming the version, for a CPU-only torch or a CUDA without an extra.
+    """
+    if not cuda_version:
+        raise ValueError("torch is a CPU-only build (torch.version.cuda is None): install a "
+                         "CUDA build of torch first; the GPU extras match its CUDA version")
+    major = str(cuda_version).split(".")[0]
+    if major not in GPU_EXTRAS:
+        raise ValueError(f"torch is built for CUDA {cuda_version}, and the course has GPU "
+                         f"extras only for CUDA {', '.join(GPU_EXTRAS)}: install a torch "
+                         "built for one of those")
+    return GPU_EXTRAS[major]
+
+
+def extra_hint() -> str:
+    """How to install the GPU libraries for this torch, as a short instruction."""
+    if not torch.version.cuda:
+        return "it needs a CUDA build of torch; with one, make gpu-check installs it"
+    try:
+        extra = extra_for(torch.version.cuda)
+    except ValueError:
+        return f"the course has no GPU extra for torch's CUDA {torch.version.cuda}"
+    return f"pip install -e '.[{extra}]', or make gpu-check"
+
 
 SIZES = (1, 7, 1001, (1 << 20) + 3)
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
@@ -149,6 +188,9 @@ def _worker() -> int:
     results = all_ranks_ok(results)
     if me.rank == 0:
         print(f"{me.size} rank(s), one GPU each; reference: MPI COMM_WORLD.Allreduce")
+        if me.size == 1:
+            print("one rank: this checks the plumbing (devices, streams, dtypes, "
+                  "communicators), not a reduction across GPUs")
         print(table(results))
         problems += [f"{r.backend} {r.op} {r.dtype} n={r.size}: max error {r.error:.3g}"
                      for r in results if not r.ok]
@@ -160,7 +202,16 @@ def _worker() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the MPI job")
+    parser.add_argument("--which-extra", action="store_true",
+                        help="print the pip extra with the GPU libraries for this torch, exit")
     args = parser.parse_args(argv)
+    if args.which_extra:
+        try:
+            print(extra_for(torch.version.cuda))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     from pcourse.cluster.rankinfo import gpu_count, launcher
 
     if launcher() == "mpi":  # a rank of the job below, or of the user's own mpiexec

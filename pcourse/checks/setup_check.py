@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import platform
+import re
 import sys
 from dataclasses import dataclass
 
@@ -111,10 +112,22 @@ def versions() -> dict[str, str]:
     if torch.version.cuda:
         out["torch"] += f" (CUDA {torch.version.cuda})"
     out["ipyparallel"] = _version("ipyparallel")
-    cupy = _version("cupy-cuda12x")
-    out["cupy"] = cupy if cupy != "not installed" else _version("cupy")
+    out["cupy"] = cupy_version()
     out["GPUs"] = str(torch.cuda.device_count() if torch.cuda.is_available() else 0)
     return out
+
+
+def cupy_version() -> str:
+    """The installed CuPy, whichever wheel brought it: ``cupy`` (conda, a source build)
+    or a prebuilt ``cupy-cudaNNx`` (``cupy-cuda12x``, ``cupy-cuda13x``, ...)."""
+    found = sorted({(dist.metadata["Name"] or "").lower(): dist.version
+                    for dist in importlib.metadata.distributions()
+                    if re.fullmatch(r"cupy(-cuda\d+x)?", (dist.metadata["Name"] or "").lower())
+                    }.items())
+    if not found:
+        return "not installed"
+    return ", ".join(version if name == "cupy" else f"{version} ({name})"
+                     for name, version in found)
 
 
 def print_versions() -> None:
@@ -122,11 +135,12 @@ def print_versions() -> None:
         print(f"{name:<12} {value}")
 
 
-def print_backends() -> list[str]:
-    """Print the backend table; return the names usable here."""
+def print_backends(n: int | None = None) -> list[str]:
+    """Print the backend table; return the names usable here (with ``n`` engines, if given:
+    a GPU backend with fewer GPUs than engines is not, and the table says why)."""
     print(f"{'backend':<11} {'usable':<7} reason")
     usable = []
-    for row in backend_status():
+    for row in backend_status(n):
         print(f"{row.name:<11} {'yes' if row.usable else 'no':<7} {row.reason}")
         if row.usable:
             usable.append(row.name)
@@ -172,7 +186,7 @@ def run(n: int = 2) -> bool:
     """The whole check; prints as it goes and returns True when the machine is ready."""
     print_versions()
     print()
-    usable = print_backends()
+    usable = print_backends(n)
     print()
     try:
         find_mpiexec()

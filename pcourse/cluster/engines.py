@@ -80,7 +80,8 @@ class Slurm:
     """Engines as one Slurm job: ``sbatch`` submits it, ``srun`` starts them as one MPI job.
 
     ``time``, ``partition`` and ``account`` are sbatch's options of those names (empty:
-    the site's default). ``folder`` holds the cluster's files (the job script, the
+    the site's default); ``gpus_per_task`` and ``gres`` ask for GPUs (0 / empty: none;
+    see :mod:`pcourse.multinode`). ``folder`` holds the cluster's files (the job script, the
     engines' log); the compute nodes write there, so it must be on a file system they
     share with this machine: the home folder by default, never /tmp. The engines run
     this same Python (``sys.executable``), so the course's folder must be shared too.
@@ -90,6 +91,8 @@ class Slurm:
     partition: str = ""
     account: str = ""
     folder: str = "~/.cache/pcourse/clusters"
+    gpus_per_task: int = 0
+    gres: str = ""
 
     @classmethod
     def from_env(cls) -> Slurm | None:
@@ -110,6 +113,12 @@ class Slurm:
                     f"{', '.join(f'{k}=...' for k in names)} (for example "
                     f"{SLURM_ENV}='partition=ws time=02:00:00').")
             given[key] = value
+        if "gpus_per_task" in given:
+            text = given["gpus_per_task"]
+            if not text.isdigit():
+                raise ClusterError(f"${SLURM_ENV} has gpus_per_task={text}; it must be a "
+                                   "whole number of GPUs per engine (gpus_per_task=1)")
+            given["gpus_per_task"] = int(text)
         return cls(**given)
 
 
@@ -130,10 +139,16 @@ class MPICluster:
         return len(self.engines)
 
     def table(self) -> str:
-        """Rank, host and device of every engine, one line each."""
-        lines = [f"{'rank':>4}  {'local':>5}  {'host':<24} device"]
+        """Rank, host, device and torch threads of every engine, one line each.
+
+        The threads are what each engine's torch uses unless a run sets its own
+        (:func:`pcourse.cluster.rankinfo.init_rank` shares the cores among the ranks
+        of a host); a lesson that compares speeds says the threads it ran with.
+        """
+        lines = [f"{'rank':>4}  {'local':>5}  {'host':<24} {'device':<8} torch threads"]
         for e in self.engines:
-            lines.append(f"{e.rank:>4}  {e.local_rank:>5}  {e.host:<24} {e.device}")
+            lines.append(f"{e.rank:>4}  {e.local_rank:>5}  {e.host:<24} {e.device:<8} "
+                         f"{e.threads}")
         return "\n".join(lines)
 
     def problem(self) -> str:
@@ -373,11 +388,14 @@ def _make_cluster(n: int, folder: Path, launcher: Launcher, env: dict[str, str],
 
 def _make_slurm_cluster(n: int, folder: Path, env: dict[str, str], slurm: Slurm) -> ipp.Cluster:
     """The cluster of engines started as one Slurm job, by ipyparallel's own launcher."""
+    from pcourse.multinode import configure_gpus  # the lesson's GPU request, written once
+
     cluster = _ipp_cluster("slurm", n, folder, everywhere=True)
     job = cluster.config.SlurmEngineSetLauncher
     job.engine_args = ["--mpi"]  # each engine joins MPI: srun's tasks become one MPI job
     job.timelimit, job.queue, job.account = slurm.time, slurm.partition, slurm.account
     job.batch_file_name = str(folder / "slurm_engine.sbatch")  # not in the notebook's folder
+    configure_gpus(cluster, slurm.gpus_per_task, slurm.gres)
     job.environment = {MARK: str(folder), **env}
     cluster.config.LocalControllerLauncher.environment = {MARK: str(folder)}
     return cluster

@@ -26,17 +26,20 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pcourse.cluster.rank_exit import RANK_EXIT
 from pcourse.cluster.reaper import sweep_mpi_segments
 from pcourse.utils.io import atomic_write
 
 ROWS_ENV = "PCOURSE_ROWS_FILE"  # where report_rows writes; set by mpirun_rows
 # Signals that end a launcher from outside; each ends its MPI job first.
+SEGMENT_GRACE = 1.0  # seconds a starting job may take to map the segment it created
 TERMINATING = tuple(getattr(signal, s) for s in ("SIGTERM", "SIGHUP") if hasattr(signal, s))
 # MPICH's single-machine process manager reports ranks killed by a signal only in
 # its output ("[0]1:Return code = 0, signaled with Killed"), not in its exit code.
@@ -85,8 +88,13 @@ class Launcher:
 # MPICH's gforker stops forwarding a rank's output at its first non-ASCII byte, and
 # closes the pipe (the rank's next write fails). So its ranks write around it: the
 # launcher's stdout is kept as fd 3, every rank inherits it and writes there.
+#
+#
+# The forker also notices its ranks' exit only on a slow poll, up to about two seconds
+# late: each rank runs under pcourse/cluster/rank_exit.py, which reports the rank's exit
+# status on the kept stdout, and the job ends once every rank has reported.
 _KEEP_STDOUT = ["sh", "-c", 'exec 3>&1; exec "$@"', "sh"]
-_WRITE_TO_KEPT = ["sh", "-c", 'exec "$@" 1>&3 2>&3 3>&-', "sh"]
+_WRITE_TO_KEPT = [sys.executable, "-I", str(Path(__file__).with_name("rank_exit.py"))]
 
 
 def mpi_launcher(hostfile: str | os.PathLike[str] | None = None) -> Launcher:
@@ -155,7 +163,8 @@ def mpirun(
     full_env.update(launcher.env)
     full_env.update(env or {})
     cmd = [*launcher.command, "-n", str(n), *launcher.wrap, sys.executable, *args]
-    out, code = run_in_session(cmd, timeout=timeout, env=full_env, cwd=cwd, echo=echo)
+    out, code = run_in_session(cmd, timeout=timeout, env=full_env, cwd=cwd, echo=echo,
+                               ranks=n if launcher.wrap == _WRITE_TO_KEPT else None)
     killed = _SIGNALED.findall(out or "")
     if code == 0 and killed:
         code = 128 + getattr(signal, f"SIG{killed[0].upper()}", signal.SIGKILL)
@@ -172,12 +181,15 @@ def run_in_session(
     env: dict[str, str] | None = None,
     cwd: str | os.PathLike[str] | None = None,
     echo: Callable[[str], object] | None = None,
+    ranks: int | None = None,
 ) -> tuple[str, int]:
     """Run a launcher command in a session of its own; return its output and exit code.
 
     Whatever ends it ends everything it started: its exit, the deadline (then
     MPIJobError, with the output tail), an error here, or SIGTERM/SIGHUP to this
-    process (:func:`ends_with_launcher`). ``echo`` as in :func:`mpirun`.
+    process (:func:`ends_with_launcher`). ``echo`` as in :func:`mpirun`. With
+    ``ranks``, the job is over once that many RANK_EXIT lines came (the exit code is
+    then the ranks' worst), without waiting for the launcher to notice.
     """
     sweep_mpi_segments()  # a dead job's segment must not meet this one's ranks
     with ends_with_launcher():
@@ -191,8 +203,9 @@ def run_in_session(
             cwd=cwd,
             start_new_session=True,  # own process group: the deadline reaps every rank
         )
+        code: int | None = 1  # until the job says otherwise, it failed
         try:
-            out = _collect(proc, timeout, echo)
+            out, code = _collect(proc, timeout, echo, ranks)
         except subprocess.TimeoutExpired as expired:
             out = expired.output or ""
             raise MPIJobError(
@@ -201,39 +214,52 @@ def run_in_session(
             ) from None
         finally:
             kill_group(proc, grace=2.0)
-            sweep_mpi_segments()  # what killed ranks left
-    return out, proc.returncode
+            if (proc.returncode if code is None else code) != 0:
+                # What killed ranks left: the sweep spares segments younger than a
+                # starting job's window, and a job that ended early may be younger.
+                time.sleep(SEGMENT_GRACE)
+            sweep_mpi_segments(min_age=SEGMENT_GRACE)
+    return out, proc.returncode if code is None else code
 
 
-def _collect(proc: subprocess.Popen, timeout: float, echo: Callable[[str], object] | None) -> str:
-    """The job's whole output; with ``echo``, each line also as it arrives.
+def _collect(proc: subprocess.Popen, timeout: float, echo: Callable[[str], object] | None,
+             ranks: int | None = None) -> tuple[str, int | None]:
+    """The job's whole output, and the ranks' exit code when ``ranks`` reported one each.
 
-    On the deadline the job gets SIGINT first, so that the launcher passes on what
-    the ranks printed before it goes, and TimeoutExpired carries that output.
+    With ``echo``, each line also goes there as it arrives. On the deadline the job
+    gets SIGINT first, so that the launcher passes on what the ranks printed before
+    it goes, and TimeoutExpired carries that output.
     """
-    if echo is None:
-        try:
-            return proc.communicate(timeout=timeout)[0]
-        except subprocess.TimeoutExpired:
-            kill_group(proc, grace=2.0)
-            raise subprocess.TimeoutExpired(proc.args, timeout, proc.communicate()[0]) from None
     lines: list[str] = []
+    codes: list[int] = []
+    all_exited = threading.Event()
 
     def pump() -> None:
         for line in proc.stdout:
+            if line.startswith(RANK_EXIT):
+                codes.append(int(line.split()[-1]))
+                if ranks is not None and len(codes) >= ranks:
+                    all_exited.set()
+                continue
             lines.append(line)
-            echo(line.rstrip("\n"))
+            if echo is not None:
+                echo(line.rstrip("\n"))
+        all_exited.set()  # end of output: the launcher and every rank are gone
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    if not all_exited.wait(timeout=timeout):
         kill_group(proc, grace=2.0)
         reader.join()
-        raise subprocess.TimeoutExpired(proc.args, timeout, "".join(lines)) from None
+        raise subprocess.TimeoutExpired(proc.args, timeout, "".join(lines))
+    if ranks is not None and len(codes) >= ranks and proc.poll() is None:
+        _kill_stragglers(proc.pid)  # only the launcher's wait is left: end it now
+        proc.wait()
+        reader.join()
+        return "".join(lines), max(codes, key=abs)
+    proc.wait()
     reader.join()
-    return "".join(lines)
+    return "".join(lines), None
 
 
 def mpirun_rows(

@@ -27,3 +27,9 @@ class Workload:
     loss_sum: LossSum  # summed over the samples ``indices`` (not averaged)
     make_optimizer: MakeOptimizer  # -> (optimizer, scheduler or None)
     evaluate: Callable[[nn.Module], float] | None = None  # held-out loss
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model (and the data it trains on) lives; move tensors compared
+        with it there, or bring it to the CPU with ``.cpu()``."""
+        return next(self.model.parameters()).device
