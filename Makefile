@@ -5,10 +5,23 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(abspath $(VENV))/bin
 PY := $(BIN)/python
-# The torch the course is tested with. Named exactly, pip installs the small CPU build
-# on a machine without NVIDIA GPUs and the usual CUDA build on one with them; a loose
-# range could pull whatever is newest. pyproject.toml's range is then already satisfied.
+# The torch the course is tested with, named exactly: a loose range could pull whatever is
+# newest. pyproject.toml's range is then already satisfied.
 TORCH_SPEC ?= torch==2.13.0
+# Which build. From the package index, torch for Linux x86-64 is the CUDA build (several GB
+# of NVIDIA libraries) whether or not the machine has a GPU. So where no NVIDIA GPU is found
+# (no GPU listed by nvidia-smi, no driver in /proc/driver/nvidia), torch comes from PyTorch's
+# CPU wheel index instead; on a GPU machine, from the package index as usual (CUDA).
+# TORCH_INDEX=URL takes it from another index; TORCH_INDEX= (empty) leaves it to pip's own
+# configuration (a local wheelhouse, as in .ci/run); NVIDIA_GPU=yes or NVIDIA_GPU= overrides
+# the detection.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+NVIDIA_GPU ?= $(shell { nvidia-smi -L 2>/dev/null | grep -q '^GPU'; } || \
+	test -e /proc/driver/nvidia/version && echo yes)
+TORCH_INDEX ?= $(if $(NVIDIA_GPU),,$(TORCH_CPU_INDEX))
+# Only the torch wheel comes from that index (--no-deps): the course's install, next, finds
+# torch installed and takes its dependencies (filelock, sympy, ...) from the package index.
+TORCH_FROM = $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)" --no-deps)
 EXTRAS ?= test
 STAMP := $(VENV)/.pcourse-installed
 # mpiexec and hydra_pmi_proxy come from the mpich wheel and live in the venv's bin/.
@@ -18,13 +31,13 @@ LAB_ROOT ?= .
 LAB_INDEX ?= index.ipynb
 
 .PHONY: setup lab test test-fast lint gpu-check clean-venv exercises grade grade-class reset \
-	timings troubleshooting browser
+	timings troubleshooting browser book book-setup
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
 		{ echo "pcourse needs Python >= 3.11; run: make clean-venv, then make PYTHON=python3.11 ..."; exit 1; }
-	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_FROM) "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
 	@touch $@
 
@@ -63,6 +76,18 @@ $(BROWSER_STAMP): $(STAMP)
 	@touch $@
 
 browser: $(BROWSER_STAMP)
+
+# The course as a static website, rendered from the notebooks' stored outputs (nothing is
+# executed): build/book/html/index.html. Sphinx and MyST-NB come with the `book` extra.
+BOOK_STAMP := $(VENV)/.pcourse-book-installed
+$(BOOK_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,book]"
+	@touch $@
+
+book-setup: $(BOOK_STAMP)
+
+book: $(BOOK_STAMP)
+	$(RUN) $(PY) -m pcourse.book $(BOOK_ARGS)
 
 # Both NCCL backends, one rank per visible GPU, checked against MPI's own Allreduce.
 gpu-check: $(GPU_STAMP)

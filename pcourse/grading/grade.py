@@ -43,7 +43,7 @@ from pathlib import Path
 import nbformat
 
 from pcourse.bench.jobs import BenchError, check_writable, save
-from pcourse.grading import submission
+from pcourse.grading import gradescope, submission
 from pcourse.grading.runner import Executed, Job, run_jobs
 from pcourse.utils.io import write_csv
 
@@ -68,6 +68,7 @@ class Grade:
     learner: str = ""
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    checks: list[gradescope.Check] = field(default_factory=list)  # per check cell, if run
 
     @property
     def name(self) -> str:
@@ -186,6 +187,7 @@ def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIM
 def _judge(g: Grade, runnable: submission.Runnable, run: Executed, limit: float) -> None:
     """Fill in a Grade from what running its notebook printed."""
     g.seconds = run.seconds
+    g.checks = gradescope.outcomes(runnable, run)
     checks = sorted(runnable.checks)
     number = {cell: k + 1 for k, cell in enumerate(checks)}
 
@@ -374,8 +376,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--class {args.folder}: no learner folders in it")
         print(table(rows))
         long, wide = write_gradebook(rows, args.out or args.folder)
+        lms = gradescope.write_class(rows, args.out or args.folder)
         print(f"\n{len(rows)} notebooks graded in {time.monotonic() - start:.0f} s; "
-              f"wrote {long} and {wide}")
+              f"wrote {long} and {wide}; Gradescope results and feedback under {lms}")
         return 1 if any(g.status == "error" for g in rows) else 0
     notebooks = args.notebooks or sorted((REPO / "exercises").glob("*.ipynb"))
     missing = [str(p) for p in notebooks if not Path(p).is_file()]
