@@ -144,3 +144,19 @@ def test_the_checks_catch_what_they_are_for():
     assert _figure_problem([]) == "no picture (image/png) in its saved outputs"
     assert _figure_problem([{"output_type": "stream", "text": "plotted"}]) != ""
     assert _figure_problem([picture]) == ""
+
+
+def test_a_helpers_figure_renders_as_a_picture_and_pyplot_keeps_none():
+    """What the drawing cells rely on: the package's figures (pcourse.utils.show.new_figure)
+    render to PNG the way a notebook displays them, and pyplot holds none of them, so
+    ``plt.show()`` after ``display(fig)`` does not draw one twice."""
+    import matplotlib.pyplot as plt
+    from IPython.core.pylabtools import print_figure
+
+    from pcourse.utils.show import new_figure
+
+    before = plt.get_fignums()
+    fig = new_figure(figsize=(2, 2))
+    fig.subplots().plot([0, 1], [1, 0])
+    assert plt.get_fignums() == before
+    assert print_figure(fig, "png").startswith(b"\x89PNG")
