@@ -71,8 +71,8 @@ import torch
 from mpi4py import MPI
 from pcourse.backends import make_backend
 
-CASES = [("mpi", "broadcast"), ("mpi", "barrier"), ("mpi-pickle", "allreduce"),
-         ("mpi-pickle", "broadcast")]
+CASES = [("mpi", "broadcast"), ("mpi", "barrier"), ("mpi-pickle-deadline", "allreduce"),
+         ("mpi-pickle-deadline", "broadcast")]  # mpi-pickle: the source's blocking call
 backends = [make_backend(name) for name, _ in CASES]  # no timeout given: the default
 if MPI.COMM_WORLD.rank == 1:
     for backend, (name, collective) in zip(backends, CASES):
@@ -105,7 +105,8 @@ def test_a_hung_rank_is_found_within_the_default_deadline_in_every_mpi_collectiv
     done = mpirun(2, [str(script)], timeout=90, check=False,
                   env={TIMEOUT_ENV: "2"})  # the default deadline, scaled down
     for name, collective in [("mpi", "broadcast"), ("mpi", "barrier"),
-                             ("mpi-pickle", "allreduce"), ("mpi-pickle", "broadcast")]:
+                             ("mpi-pickle-deadline", "allreduce"),
+                             ("mpi-pickle-deadline", "broadcast")]:
         gave_up = re.search(rf"^{name} {collective}: gave up after ([\d.]+) s: (.*)$",
                             done.stdout, re.MULTILINE)
         assert gave_up, done.stdout[-3000:]
@@ -284,7 +285,8 @@ CALLS = {"allreduce": "backend.allreduce(t, check=False)",
 @pytest.mark.mpi
 @pytest.mark.parametrize("name, collective", [
     ("mpi", "allreduce"), ("mpi", "broadcast"), ("mpi", "barrier"),
-    ("mpi-pickle", "allreduce"), ("mpi-pickle", "broadcast"), ("gloo", "allreduce"),
+    ("mpi-pickle-deadline", "allreduce"), ("mpi-pickle-deadline", "broadcast"),
+    ("gloo", "allreduce"),
 ])
 def test_an_interrupt_mid_collective_leaves_the_cluster_usable(mc, name, collective) -> None:
     running = mc.view.execute(LOOP.format(name=name, call=CALLS[collective]), block=False)

@@ -4,7 +4,7 @@
 name           what it is                                 devices
 =============  =========================================  ===========
 mpi            mpi4py ``Allreduce`` on the tensor memory   any (staged)
-mpi-pickle     mpi4py ``allreduce``: the source's way       any (staged)
+mpi-pickle     mpi4py ``comm.allreduce``, the source's   any (staged)
 gloo           torch.distributed, Gloo                      CPU
 nccl           torch.distributed, NCCL                      GPU
 nccl-cupy      CuPy's NCCL bindings                         GPU
@@ -44,6 +44,8 @@ BACKENDS = ("mpi", "mpi-pickle", "gloo", "nccl", "nccl-cupy")
 _IMPLEMENTATIONS = {
     "mpi": ("pcourse.backends.mpi", "MPIBackend"),
     "mpi-pickle": ("pcourse.backends.mpi", "MPIPickleBackend"),
+    # not in BACKENDS: mpi-pickle's pickles on nonblocking MPI, with the deadline (tests)
+    "mpi-pickle-deadline": ("pcourse.backends.mpi", "MPIPickleDeadlineBackend"),
     "gloo": ("pcourse.backends.torch_dist", "GlooBackend"),
     "nccl": ("pcourse.backends.torch_dist", "NCCLBackend"),
     "nccl-cupy": ("pcourse.backends.cupy_nccl", "CupyNCCLBackend"),
@@ -147,7 +149,7 @@ def too_few_gpus(name: str, ranks: int) -> str:
 
 
 def _library_reason(name: str) -> str:
-    if name in ("mpi", "mpi-pickle"):
+    if name in ("mpi", "mpi-pickle", "mpi-pickle-deadline"):
         if importlib.util.find_spec("mpi4py") is None:
             return "mpi4py not installed"
         return ""

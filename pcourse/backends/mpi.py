@@ -11,10 +11,12 @@ the fast one on CPU.
 Both take tensors on any device: what MPI cannot read in place is staged through
 host memory. MPI has no timeouts of its own, and a blocking MPI call cannot be
 interrupted: a rank that never joins a collective would block the others forever,
-deaf to the stop button. So every collective here is MPI's nonblocking one
-(``Iallreduce``, ``Ibcast``, ``Ibarrier``), waited for by
-``pcourse.cluster.interrupts.wait_request``: an interrupt stops the wait, and
-``timeout`` seconds without the other ranks raise CollectiveTimeout.
+deaf to the stop button. So every collective of the buffer backend (and of
+``mpi-pickle-deadline``) is MPI's nonblocking one (``Iallreduce``, ``Ibcast``,
+``Ibarrier``), waited for by ``pcourse.cluster.interrupts.wait_request``: an
+interrupt stops the wait, and ``timeout`` seconds without the other ranks raise
+CollectiveTimeout. ``mpi-pickle`` is the source's blocking ``comm.allreduce``, and
+has no deadline.
 """
 
 from __future__ import annotations
@@ -146,20 +148,24 @@ def _mpi_has_float16() -> bool:
 
 
 class MPIPickleBackend(_MPICommBackend):
-    """The source's way: lowercase ``comm.allreduce`` of the tensor, copied to the CPU.
+    """The source's way: mpi4py's own lowercase ``comm.allreduce`` of each tensor, on the CPU.
 
-    mpi4py pickles the tensor, reduces with Python operators (``+``, ``*``) and
-    returns a new tensor, which is copied back into the caller's. Python's ``max``
-    cannot compare tensors elementwise, so MAX and MIN use user-defined MPI ops
-    built on ``torch.maximum`` / ``torch.minimum``.
+    Exactly what the source's code calls, one tensor at a time: the tensor is copied
+    to the CPU, and ``comm.allreduce(tensor, op)`` pickles it, moves the bytes, and
+    reduces with Python operators (``+``, ``*``), returning a new tensor, which is
+    copied back into the caller's. Python's ``max`` cannot compare tensors
+    elementwise, so MAX and MIN are user-defined MPI ops on ``torch.maximum`` /
+    ``torch.minimum`` (mpi4py applies a user op to the objects themselves).
 
-    mpi4py's lowercase collectives block inside MPI, where no interrupt reaches
-    them, and it has no nonblocking ones for objects. So :meth:`allreduce_objects`
-    and :meth:`bcast_object` do what ``comm.allreduce`` and ``comm.bcast`` do, with
-    mpi4py's own pickle, on nonblocking MPI.
+    No deadline: mpi4py's lowercase collectives block inside MPI, where neither an
+    interrupt nor ``timeout`` reaches them, so a rank that never joins hangs the
+    others, as in the source. ``mpi-pickle-deadline`` (:class:`MPIPickleDeadlineBackend`)
+    moves the same pickles on nonblocking MPI and keeps the deadline; it is not what
+    the source runs, and no lesson times it.
     """
 
     name = "mpi-pickle"
+    keeps_deadline = False  # True: the pickles travel by nonblocking MPI, with the deadline
 
     def __init__(self, comm: Any = None, *, device: str | torch.device | None = None,
                  timeout: float | None = None) -> None:
@@ -173,7 +179,11 @@ class MPIPickleBackend(_MPICommBackend):
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", *,
                   check: bool = True) -> torch.Tensor:
         self._agree(tensor, check, op=op)
-        result = self.allreduce_objects(tensor.detach().cpu(), self._ops[op])  # comm.allreduce
+        host = tensor.detach().cpu()
+        if self.keeps_deadline:
+            result = self.allreduce_objects(host, self._ops[op])
+        else:
+            result = self._live().allreduce(host, op=self._ops[op])  # the source's call
         if op == "avg":
             result = result / self.size
         tensor.detach().copy_(result)
@@ -183,17 +193,21 @@ class MPIPickleBackend(_MPICommBackend):
                   check: bool = True) -> torch.Tensor:
         self._agree(tensor, check, root=root)
         mine = tensor.detach().cpu() if self.rank == root else None
-        theirs = self.bcast_object(mine, root)  # comm.bcast
+        if self.keeps_deadline:
+            theirs = self.bcast_object(mine, root)
+        else:
+            theirs = self._live().bcast(mine, root=root)  # mpi4py's comm.bcast
         if self.rank != root:
             tensor.detach().copy_(theirs)
         return tensor
 
     def allreduce_objects(self, obj: Any, op: Any) -> Any:
-        """``comm.allreduce(obj, op)`` as mpi4py runs it: up a binomial tree, then broadcast.
+        """What ``comm.allreduce(obj, op)`` does, on nonblocking MPI: a tree, then a broadcast.
 
         Each rank reduces what the ranks above it send (pickled) into its own with
         ``op`` and sends the result down, until rank 0 holds the reduction of all,
         in rank order; rank 0's result is then broadcast to every rank, pickled.
+        Every wait keeps the deadline and hears an interrupt.
         """
         mask = 1
         while mask < self.size:
@@ -221,7 +235,7 @@ class MPIPickleBackend(_MPICommBackend):
         return self._MPI.pickle.loads(data)
 
     def bcast_object(self, obj: Any, root: int, *, what: str = "broadcast") -> Any:
-        """``comm.bcast(obj, root)`` as mpi4py runs it: the pickle's length, then the pickle.
+        """What ``comm.bcast(obj, root)`` does, on nonblocking MPI: the length, then the pickle.
 
         The root keeps its own object (mpi4py's gets an unpickled copy). ``what``
         names the collective in a timeout's message."""
@@ -238,3 +252,16 @@ class MPIPickleBackend(_MPICommBackend):
             self._max.Free()
             self._min.Free()
         super().close()
+
+
+class MPIPickleDeadlineBackend(MPIPickleBackend):
+    """``mpi-pickle-deadline``: mpi-pickle's pickles, moved by nonblocking MPI, so every
+    wait keeps the deadline and hears an interrupt (what the fault tests need).
+
+    The same pickles, tree and Python reduction as ``comm.allreduce``, sent hop by hop
+    (a length message, then the payload, polled from Python): slower than mpi4py's
+    own call, and not what the source runs; no lesson or benchmark times it.
+    """
+
+    name = "mpi-pickle-deadline"
+    keeps_deadline = True

@@ -2,9 +2,10 @@
 
 It times an in-place float32 sum-allreduce from 4 bytes to 64 MiB with every
 method the course builds: MPI's native ``Allreduce`` on a buffer, the source's
-pickle-based ``allreduce``, the from-scratch tree, ring and recursive doubling
-(:mod:`pcourse.collectives`), Gloo, and NCCL where a GPU exists. For each it
-reports latency (the median call, with the spread between the quartiles),
+pickle-based ``comm.allreduce`` (the ``mpi-pickle`` backend: mpi4py's own call on a
+torch tensor, copied back, as the source's code does it), the from-scratch tree,
+ring and recursive doubling (:mod:`pcourse.collectives`), Gloo, and NCCL where a
+GPU exists. For each it reports latency (the median call, with the spread between the quartiles),
 algorithm bandwidth (bytes / time) and bus bandwidth (algbw · 2(p-1)/p, as
 nccl-tests defines it: what each link carries, so it is comparable across rank
 counts), the speed relative to MPI native, and the fitted alpha-beta model.
@@ -116,7 +117,7 @@ def _open_backends(comm: Any, methods: Sequence[str], say: Callable[[str], None]
 
     backends = {}
     for name in methods:
-        if name in ("gloo", "nccl", "nccl-cupy"):
+        if name in ("mpi-pickle", "gloo", "nccl", "nccl-cupy"):
             reason = unavailable_reason(name)
             try:
                 backends[name] = None if reason else make_backend(name, comm=comm)
@@ -133,8 +134,6 @@ def _call(name: str, comm: Any, x: np.ndarray, backend: Any) -> Callable[[], Any
 
     if name == "mpi":
         return lambda: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
-    if name == "mpi-pickle":  # the source's way: pickle, reduce in Python, copy back
-        return lambda: np.copyto(x, comm.allreduce(x, op=MPI.SUM))
     if name in collectives.ALGORITHMS:  # same size everywhere: skip the length check
         fn = getattr(collectives, name.replace("-", "_") + "_allreduce")
         return lambda: fn(x, "sum", comm=comm, check=False)

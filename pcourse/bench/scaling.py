@@ -350,12 +350,11 @@ def print_table(table: list[dict]) -> None:
 def plot(table: list[dict], title: str, path: str | Path | None = None) -> Any:
     """Strong scaling: training time against ranks; weak: samples per second. Each
     backend's ideal (from its one-rank run) is the dashed line of its colour."""
-    from matplotlib.figure import Figure
-
     from pcourse.utils.io import savefig_atomic
+    from pcourse.utils.show import new_figure  # shows once in a notebook, leaks none
 
     weak = any(t["scaling"] == "weak" for t in table)
-    fig = Figure(figsize=(6, 4))
+    fig = new_figure(figsize=(6, 4))
     ax = fig.subplots()
     mixed = bool(mixed_devices(table))
     for i, backend in enumerate(dict.fromkeys(t["backend"] for t in table)):

@@ -119,13 +119,13 @@ def make_workload(config: MNISTConfig | None = None, device: str = "cpu") -> Wor
 @torch.no_grad()
 def reconstruction_figure(model: VAE, images: torch.Tensor, n: int = 10) -> Figure:
     """Originals (top row) above their reconstructions from the mean latent code."""
-    from matplotlib.figure import Figure
+    from pcourse.utils.show import new_figure  # shows once in a notebook, leaks none
 
     model.eval()
     x = images[:n]
     mu, _ = model.encode(x)
     recon = torch.sigmoid(model.decode_logits(mu))
-    fig = Figure(figsize=(n * 0.9, 2.0))
+    fig = new_figure(figsize=(n * 0.9, 2.0))
     axes = fig.subplots(2, n, squeeze=False)
     for col in range(n):
         for row, picture in enumerate((x[col], recon[col])):
@@ -139,7 +139,7 @@ def reconstruction_figure(model: VAE, images: torch.Tensor, n: int = 10) -> Figu
 @torch.no_grad()
 def latent_walk_figure(model: VAE, n: int = 15, span: float = 3.0) -> Figure:
     """Decode an n×n grid over [−span, span]² of the first two latent dimensions."""
-    from matplotlib.figure import Figure
+    from pcourse.utils.show import new_figure
 
     model.eval()
     param = next(model.parameters())
@@ -149,7 +149,7 @@ def latent_walk_figure(model: VAE, n: int = 15, span: float = 3.0) -> Figure:
     z[:, 1] = steps.flip(0).repeat_interleave(n)  # y grows upwards
     tiles = torch.sigmoid(model.decode_logits(z)).reshape(n, n, 28, 28)
     canvas = tiles.permute(0, 2, 1, 3).reshape(n * 28, n * 28).float().cpu().numpy()
-    fig = Figure(figsize=(6, 6))
+    fig = new_figure(figsize=(6, 6))
     ax = fig.subplots()
     ax.imshow(canvas, cmap="gray", extent=(-span, span, -span, span))
     ax.set_xlabel("z[0]")
