@@ -117,3 +117,17 @@ def test_bad_arguments_say_what_to_do(one_rank) -> None:
     backend = one_rank()
     with pytest.raises(ValueError, match="pad it"):
         backend.reduce_scatter(torch.empty(2), torch.empty(3))
+
+
+def test_the_benchmark_says_whether_each_target_is_met() -> None:
+    from pcourse.bench.sharding import targets
+
+    rows = [{"workload": "franke", "ranks": 2, "strategy": s, "median_ms": ms}
+            for s, ms in (("ddp", 10.0), ("zero1", 10.5), ("zero2", 9.0), ("torch-zero", 10.0),
+                          ("fsdp", 13.0), ("torch-fsdp2", 12.0))]
+    said = "\n".join(targets(rows))
+    assert "zero1 ≤ 1.1× ddp (franke, 2 ranks): 1.05× — met" in said
+    assert "zero1 ≤ 1× torch-zero (franke, 2 ranks): 1.05× — NOT met" in said
+    assert "fsdp ≤ 1× torch-fsdp2 (franke, 2 ranks): 1.08× — NOT met" in said
+    four = [dict(r, ranks=4) for r in rows]
+    assert "fsdp" not in "\n".join(line for line in targets(four) if "torch-fsdp2" in line)

@@ -1,16 +1,20 @@
-"""``python -m pcourse.bench franke|mnist|steps|comm|versus-source [options]``: one front door.
+"""``python -m pcourse.bench franke|mnist|steps|comm|versus-source|sharding [options]``.
+
+One front door.
 
 ``franke`` and ``mnist`` go to :mod:`pcourse.bench.scaling`; ``steps`` and ``comm``
 to :mod:`pcourse.bench.steps` and :mod:`pcourse.bench.comm`; ``versus-source``
 times the scaling command beside the source's own script
-(:mod:`pcourse.bench.versus`). Nothing heavy is imported here: the benchmark's
+(:mod:`pcourse.bench.versus`); ``sharding`` sets ZeRO and FSDP beside torch's own
+(:mod:`pcourse.bench.sharding`). Nothing heavy is imported here: the benchmark's
 launcher starts its ranks before anything loads torch.
 """
 
 import sys
 
 COMMANDS = {"steps": "pcourse.bench.steps", "comm": "pcourse.bench.comm",
-            "versus-source": "pcourse.bench.versus"}
+            "versus-source": "pcourse.bench.versus",
+            "sharding": "pcourse.bench.sharding"}
 
 
 def main(argv: list[str] | None = None) -> int:

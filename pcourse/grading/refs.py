@@ -385,6 +385,13 @@ def zero_trial(my_slice: Callable, sharded_step: Callable, steps: int) -> dict:
     says; this rank's AdamW steps only its slice, a copy of it (its master weights).
     """
     comm = world()
+    # A process's first optimizer step imports torch's compiler, seconds on a busy
+    # machine: paid here, then met at a barrier with room for it, so that no rank
+    # waits for a slow peer inside the learner's first collective (5 s deadline).
+    warm = torch.zeros(1, requires_grad=True)
+    warm.grad = torch.zeros(1)
+    torch.optim.AdamW([warm]).step()
+    CountingComm(comm, timeout=120.0).Barrier()
     model = zero_model()
     x, y = (t.double() for t in shard_of(make_data(), comm.rank, comm.size))
     n = sum(p.numel() for p in model.parameters())
