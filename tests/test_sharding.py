@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from pcourse.cluster.launch import kill_group
 from pcourse.collectives import chunk_bounds, half_cost_terms
 from pcourse.sharding import (
     FullyShardedDataParallel,
@@ -131,3 +132,23 @@ def test_the_benchmark_says_whether_each_target_is_met() -> None:
     assert "fsdp ≤ 1× torch-fsdp2 (franke, 2 ranks): 1.08× — NOT met" in said
     four = [dict(r, ranks=4) for r in rows]
     assert "fsdp" not in "\n".join(line for line in targets(four) if "torch-fsdp2" in line)
+
+
+@pytest.mark.slow
+def test_sharding_under_torchrun_on_torchs_own_group() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    torchrun = Path(sys.executable).parent / "torchrun"
+    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", "3",
+                             "tests/torchrun/check_sharding.py"], cwd=repo, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert "sharding without MPI OK (torchrun, 3 ranks)" in out
