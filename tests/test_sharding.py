@@ -152,3 +152,25 @@ def test_sharding_under_torchrun_on_torchs_own_group() -> None:
         kill_group(proc)
     assert proc.returncode == 0, out[-4000:]
     assert "sharding without MPI OK (torchrun, 3 ranks)" in out
+
+
+def test_a_scheduler_steers_the_sharded_optimizer_as_it_does_torchs(one_rank) -> None:
+    """LR schedulers change ``param_groups``; the local optimizer must follow them."""
+    a, b = model(), model()
+    x = torch.randn(8, 3)
+    plain = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    ours = ShardedOptimizer(b.parameters(), torch.optim.SGD, backend=one_rank(), lr=0.1,
+                            momentum=0.9)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (plain, ours)]
+    for _ in range(3):
+        for m, opt, sched in ((a, plain, scheds[0]), (b, ours, scheds[1])):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+            sched.step()
+    assert ours.param_groups[0]["lr"] == plain.param_groups[0]["lr"] == 0.1 / 8  # read at step()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+    state = ours.state_dict()
+    assert state["rank"] == 0 and state["local"]["state"]
+    ours.load_state_dict(state)
