@@ -4,7 +4,8 @@ The top level is what the lessons teach, one idea per module, in lesson order:
 
     ``data_parallel``  average gradients, broadcast weights, check consistency (01, 05)
     ``partition``      one seeded shuffle, equal shards (02)
-    ``collectives``    tree, ring and recursive-doubling allreduce from scratch (03)
+    ``collectives``    tree, ring and recursive-doubling allreduce, and the ring's two
+                       halves (reduce-scatter, all-gather), from scratch (03, 10)
     ``backends/``      one allreduce interface (``base``) and the four real backends:
                        ``mpi`` (mpi4py), ``torch_dist`` (Gloo, NCCL), ``cupy_nccl`` (04)
     ``loop``           the training loop every lesson and benchmark runs (05)
@@ -12,11 +13,12 @@ The top level is what the lessons teach, one idea per module, in lesson order:
     ``buckets``        flattened, overlapped gradient allreduce, as DDP does (07)
     ``beyond_sgd/``    weight averaging, synchronised BatchNorm, Hogwild (08)
     ``multinode``      hostfiles and launchers for several nodes (09)
+    ``sharding``       ZeRO-1, ZeRO-2 and FSDP on reduce-scatter and all-gather (10)
 
 Tooling lives behind it, in subpackages:
 
     ``cluster/``   engines for notebooks, ``mpiexec`` jobs, rank and device, netns
-    ``bench/``     the communication, scaling and per-step benchmarks
+    ``bench/``     the communication, scaling, per-step and sharding benchmarks
     ``checks/``    the setup check (lesson 00) and the GPU check
     ``grading/``   exercises generated from solutions, and the grader
     ``workshop/``  the instructor's kit: lesson timings, the generated tables of

@@ -251,3 +251,140 @@ def fit_alpha_beta(sizes_bytes: Any, times: Any) -> tuple[float, float]:
     feasible = [c for c in candidates if np.all(c >= 0)]
     a, b = min(feasible, key=lambda c: np.sum((design @ c - target) ** 2))
     return float(a), float(b)
+
+
+# ------------------------------------------------------------------ the ring's two halves
+def _check_lengths(comm: Any, n: int, kind: str) -> None:
+    """Every rank passed the same length to ``kind`` (or one refused its input)."""
+    from mpi4py import MPI
+
+    def max_over_ranks(v: np.ndarray) -> np.ndarray:
+        comm.Allreduce(MPI.IN_PLACE, v, op=MPI.MAX)
+        return v
+
+    agree({"length": n}, max_over_ranks, subject=f"{kind} needs the same length on every rank",
+          hint="Pass equally sized buffers.", refused=n == REFUSED, error=LengthMismatchError)
+
+
+def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
+    """[start, stop) of each rank's chunk of n elements: ``np.array_split``'s cut.
+
+    The first n % p chunks are one element longer, so no chunk is empty unless n < p.
+    """
+    if p < 1 or n < 0:
+        raise ValueError(f"need p >= 1 and n >= 0, got p={p}, n={n}")
+    q, extra = divmod(n, p)
+    starts = [r * q + min(r, extra) for r in range(p + 1)]
+    return list(zip(starts[:-1], starts[1:], strict=True))
+
+
+def ring_reduce_scatter(x: Any, op: str = "sum", *, out: Any = None, comm: Any = None,
+                        check: bool = True) -> Any:
+    """The ring allreduce's first half: rank r ends with chunk r of the reduction.
+
+    Every rank passes the whole vector (N elements, the same N everywhere); it is cut
+    as :func:`chunk_bounds` cuts it, and rank r receives the reduction of chunk r
+    over all ranks, in ``out`` (a new array if None). ``x`` is left as it was. In
+    each of p-1 steps every rank sends one chunk to its right neighbour and adds the
+    chunk arriving from its left into its working copy; the chunks are numbered so
+    that the last one a rank completes is its own. Cost: (p-1)·α + (p-1)/p·N·β.
+    """
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    rank, p = comm.rank, comm.size
+    try:
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
+        src = _as_array(x, "input")
+        lo, hi = chunk_bounds(src.size, p)[rank]
+        buf = src.copy()  # the working copy the partial sums are added into
+        result = np.empty(hi - lo, dtype=src.dtype) if out is None else out
+        mine = _as_array(result, "out")
+        if mine.size != hi - lo or mine.dtype != src.dtype:
+            raise ValueError(f"out must hold rank {rank}'s chunk: {src.dtype}({hi - lo},) "
+                             f"for {src.size} elements on {p} ranks, got {mine.dtype}{mine.shape}")
+    except (ValueError, TypeError):
+        if check:
+            try:
+                _check_lengths(comm, REFUSED, "reduce-scatter")
+            except LengthMismatchError:
+                pass
+        raise
+    if check:
+        _check_lengths(comm, src.size, "reduce-scatter")
+    chunks = [buf[a:b] for a, b in chunk_bounds(buf.size, p)]
+    if p > 1 and buf.size:
+        reduce = OPS[op]
+        incoming = np.empty_like(chunks[0])
+        right, left = (rank + 1) % p, (rank - 1) % p
+        for step in range(p - 1):
+            send, recv = chunks[(rank - step - 1) % p], chunks[(rank - step - 2) % p]
+            got = incoming[: recv.size]
+            comm.Sendrecv(send, dest=right, sendtag=8, recvbuf=got, source=left, recvtag=8)
+            reduce(recv, got, out=recv)
+    mine[...] = chunks[rank]
+    return result
+
+
+def ring_allgather(x: Any, *, out: Any = None, comm: Any = None, check: bool = True) -> Any:
+    """The ring allreduce's second half: every rank ends with every rank's chunk, in order.
+
+    Rank r passes its own chunk (any length; lengths may differ between ranks, as in
+    MPI's ``Allgatherv``); ``out`` (a new array if None) receives the chunks of ranks
+    0, 1, ..., p-1 one after the other. The ranks first swap their lengths (one tiny
+    allgather, which also settles that the dtypes agree); then in each of p-1 steps
+    every rank passes on the chunk it received last. Cost: (p-1)·α + (p-1)/p·N·β for
+    N elements in all.
+    """
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    rank, p = comm.rank, comm.size
+    try:
+        src = _as_array(x, "input")
+        facts = np.array([src.size, _code_dtype(src.dtype)], dtype=np.int64)
+    except (ValueError, TypeError):
+        comm.Allgather(np.array([REFUSED, 0], dtype=np.int64), np.empty(2 * p, dtype=np.int64))
+        raise
+    everyone = np.empty(2 * p, dtype=np.int64)
+    comm.Allgather(facts, everyone)  # lengths are needed even without the check
+    sizes, dtypes = everyone[0::2], everyone[1::2]
+    if np.any(sizes == REFUSED):
+        raise LengthMismatchError("allgather: another rank refused its input (see that rank's "
+                                  "error); no data moved")
+    if check and np.unique(dtypes).size > 1:
+        raise LengthMismatchError(f"allgather needs one dtype on every rank (this rank: "
+                                  f"{src.dtype}). Pass buffers of one dtype.")
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    total = int(starts[-1])
+    result = np.empty(total, dtype=src.dtype) if out is None else out
+    full = _as_array(result, "out")
+    if full.size != total or full.dtype != src.dtype:
+        raise ValueError(f"out must hold all {total} elements as {src.dtype}, "
+                         f"got {full.dtype}{full.shape}")
+    chunks = [full[starts[r]:starts[r + 1]] for r in range(p)]
+    chunks[rank][...] = src
+    right, left = (rank + 1) % p, (rank - 1) % p
+    for step in range(p - 1):  # pass on what arrived last step (at first: my own)
+        send, recv = chunks[(rank - step) % p], chunks[(rank - step - 1) % p]
+        comm.Sendrecv(send, dest=right, sendtag=9, recvbuf=recv, source=left, recvtag=9)
+    return result
+
+
+def _code_dtype(dtype: np.dtype) -> int:
+    import zlib
+
+    return zlib.crc32(dtype.str.encode())
+
+
+def half_cost_terms(p: int) -> tuple[float, float]:
+    """(steps, volume) of a ring reduce-scatter or allgather on p ranks: half the allreduce's.
+
+    Each of the two halves takes p-1 steps of N/p bytes: together they are
+    :func:`cost_terms` ("ring", p).
+    """
+    if p < 1:
+        raise ValueError(f"p must be at least 1, got {p}")
+    return float(p - 1), (p - 1) / p

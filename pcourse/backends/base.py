@@ -246,6 +246,86 @@ class Backend(ABC):
     def __repr__(self) -> str:
         return f"<{self.name} backend rank {self.rank}/{self.size} on {self.device}>"
 
+    # ---------------------------------------------------- sharding (lesson 10)
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
+                       check: bool = True) -> torch.Tensor:
+        """Reduce ``input`` across ranks; rank r gets block r of the result in ``output``.
+
+        ``input`` has size·n elements on every rank, ``output`` n (torch's
+        ``reduce_scatter_tensor``, MPI's ``Reduce_scatter_block``); padding a length
+        that does not divide by size is the caller's job. ``input`` is not changed.
+        ``op`` as for allreduce. This default is correct on any backend: it
+        allreduces a copy and keeps its own block, which moves twice the bytes of a
+        real reduce-scatter; backends whose library has one override it.
+        """
+        self._agree_blocks("reduce_scatter", output, input, check, op)
+        full = input.detach().clone()
+        self.allreduce(full, op, check=False)
+        n = output.numel()
+        output.detach().copy_(full.reshape(-1)[self.rank * n:(self.rank + 1) * n]
+                              .view_as(output))
+        return output
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
+                   check: bool = True) -> torch.Tensor:
+        """Every rank's ``input`` (n elements each), in rank order, into ``output`` (size·n).
+
+        torch's ``all_gather_into_tensor``, MPI's ``Allgather``. This default sums
+        zeros with each rank's block in its place (exact: x + 0 is x); backends
+        whose library has an allgather override it.
+        """
+        self._agree_blocks("all_gather", output, input, check, None)
+        n = input.numel()
+        full = input.new_zeros(self.size * n)
+        full[self.rank * n:(self.rank + 1) * n] = input.detach().reshape(-1)
+        self.allreduce(full, "sum", check=False)
+        output.detach().copy_(full.view_as(output))
+        return output
+
+    def _agree_blocks(self, kind: str, output: torch.Tensor, input: torch.Tensor, check: bool,
+                      op: str | None) -> None:
+        """Local checks of a reduce-scatter / all-gather, then (``check``) the agreement.
+
+        The big side has size times the elements of the small one; both one dtype.
+        Like :meth:`_agree`, a rank whose input fails still joins the agreement.
+        """
+        import torch
+
+        self._check_in_step()
+        small, big = (output, input) if kind == "reduce_scatter" else (input, output)
+        facts: dict[str, int | str] = {"length": 0, "dtype": "", "op": ""}
+        try:
+            for label, t in (("output", output), ("input", input)):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{kind}: {label} must be a torch.Tensor, "
+                                    f"got {type(t).__name__}")
+                if not t.is_contiguous():
+                    raise ValueError(f"{kind}: {label} must be contiguous; use .contiguous()")
+            if output.dtype != input.dtype:
+                raise TypeError(f"{kind}: output is {output.dtype} but input is {input.dtype}; "
+                                "pass one dtype")
+            if big.numel() != self.size * small.numel():
+                which = "input" if kind == "reduce_scatter" else "output"
+                raise ValueError(
+                    f"{kind}: {which} must have size x {small.numel()} = "
+                    f"{self.size * small.numel()} elements on {self.size} ranks, got "
+                    f"{big.numel()}; pad it to a multiple of the number of ranks")
+            if op is not None:
+                check_op(op)
+                check_avg_dtype(input, op)
+            self._check_tensor(output, op)
+            self._check_tensor(input, op)
+            facts = {"length": small.numel(), "dtype": str(input.dtype).removeprefix("torch."),
+                     "op": op or ""}
+        except (ValueError, TypeError):
+            if check:
+                agree(facts, self.max_over_ranks, subject="", hint="", refused=True)
+            raise
+        if check:
+            agree(facts, self.max_over_ranks,
+                  subject=f"{kind} needs the same length, dtype and op on every rank",
+                  hint="Call it with equally sized tensors of one dtype on every rank.")
+
 
 class AsyncBackend(Backend):
     """A backend whose allreduce is non-blocking underneath: blocking = start, then wait."""

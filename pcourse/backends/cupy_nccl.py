@@ -177,6 +177,31 @@ class CupyNCCLBackend(Backend):
         if interrupted is not None:
             raise interrupted
 
+    # ---------------------------------------------------- sharding (lesson 10)
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
+                       check: bool = True) -> torch.Tensor:
+        """NCCL's ``reduceScatter`` on device pointers, on torch's current stream."""
+        self._agree_blocks("reduce_scatter", output, input, check, op)
+        out, inp = output.detach(), input.detach()
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._live().reduceScatter(inp.data_ptr(), out.data_ptr(), out.numel(),
+                                   self._dtype(inp.dtype), getattr(self._nccl, _OPS[op]),
+                                   stream)
+        if op == "avg":
+            out.div_(self.size)  # same stream: after the reduction
+        return output
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
+                   check: bool = True) -> torch.Tensor:
+        """NCCL's ``allGather``; types NCCL does not know travel as bytes."""
+        self._agree_blocks("all_gather", output, input, check, None)
+        out, inp = output.detach(), input.detach()
+        out, inp = as_nccl_bytes(out, self._nccl), as_nccl_bytes(inp, self._nccl)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._live().allGather(inp.data_ptr(), out.data_ptr(), inp.numel(),
+                               self._dtype(inp.dtype), stream)
+        return output
+
 
 def as_nccl_bytes(buf: torch.Tensor, nccl: Any) -> torch.Tensor:
     """``buf`` itself if NCCL has its dtype, else the same memory as a flat uint8 tensor.

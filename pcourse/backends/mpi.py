@@ -139,6 +139,36 @@ class MPIBackend(_MPICommBackend, AsyncBackend):
         return {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN,
                 "prod": MPI.PROD}[op]
 
+    # ---------------------------------------------------- sharding (lesson 10)
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
+                       check: bool = True) -> torch.Tensor:
+        """MPI's ``Ireduce_scatter_block`` on host buffers (staged as allreduce stages)."""
+        self._agree_blocks("reduce_scatter", output, input, check, op)
+        send, _ = self._host_buffer(input, reduce=True)
+        recv, staged = self._host_buffer(output, reduce=True)
+        if recv.dtype != send.dtype:  # output was not widened like input: a fresh one
+            recv, staged = torch.empty(output.numel(), dtype=send.dtype), True
+        request = self._live().Ireduce_scatter_block(send.numpy(), recv.numpy(), self._op(op))
+        self._wait(request, "reduce_scatter")
+        if op == "avg":
+            recv.div_(self.size)
+        if staged:
+            output.detach().copy_(recv.view_as(output))
+        return output
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
+                   check: bool = True) -> torch.Tensor:
+        """MPI's ``Iallgather``: raw bits, so bfloat16 and bool travel unchanged."""
+        self._agree_blocks("all_gather", output, input, check, None)
+        send, _ = self._host_buffer(input, reduce=False)
+        recv, staged = self._host_buffer(output, reduce=False)
+        raw = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}.get(send.dtype)
+        s, r = (send, recv) if raw is None else (send.view(raw), recv.view(raw))
+        self._wait(self._live().Iallgather(s.numpy(), r.numpy()), "all_gather")
+        if staged:
+            output.detach().copy_(recv.view_as(output))
+        return output
+
 
 def _mpi_has_float16() -> bool:
     from mpi4py import MPI

@@ -237,6 +237,34 @@ class _TorchBackend(AsyncBackend):
         return {"sum": R.SUM, "avg": R.AVG if native_avg else R.SUM, "max": R.MAX,
                 "min": R.MIN, "prod": R.PRODUCT}[op]
 
+    # ---------------------------------------------------- sharding (lesson 10)
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
+                       check: bool = True) -> torch.Tensor:
+        """torch.distributed's ``reduce_scatter_tensor``, waited for like allreduce."""
+        self._agree_blocks("reduce_scatter", output, input, check, op)
+        group = self._live()
+        native_avg = op == "avg" and self.dist_backend == "nccl"
+        # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single
+        reduce_scatter = getattr(self._dist, "reduce_scatter_single", None) \
+            or self._dist.reduce_scatter_tensor
+        handle = reduce_scatter(
+            output.detach(), input.detach(), op=self._reduce_op(op, native_avg), group=group,
+            async_op=True)
+        self._wait(handle, "reduce_scatter")
+        if op == "avg" and not native_avg:
+            output.detach().div_(self.size)
+        return output
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
+                   check: bool = True) -> torch.Tensor:
+        """torch.distributed's ``all_gather_into_tensor``, waited for like allreduce."""
+        self._agree_blocks("all_gather", output, input, check, None)
+        all_gather = getattr(self._dist, "all_gather_single", None) \
+            or self._dist.all_gather_into_tensor  # the name before torch 2.13
+        handle = all_gather(output.detach(), input.detach(), group=self._live(), async_op=True)
+        self._wait(handle, "all_gather")
+        return output
+
 
 def _wait_work(handle: Any, in_slices: bool) -> None:
     """``handle.wait()``; in slices, so that Python can run an interrupt's handler between.

@@ -1,17 +1,21 @@
-"""``python -m pcourse.bench franke|mnist|steps|comm|versus-source|mpich-allreduce``: one door.
+"""``python -m pcourse.bench franke|mnist|steps|comm|versus-source|mpich-allreduce|sharding``.
+
+One front door.
 
 ``franke`` and ``mnist`` go to :mod:`pcourse.bench.scaling`; ``steps`` and ``comm``
 to :mod:`pcourse.bench.steps` and :mod:`pcourse.bench.comm`; ``versus-source``
 times the scaling command beside the source's own script
 (:mod:`pcourse.bench.versus`); ``mpich-allreduce`` forces each of MPICH's allreduce
-algorithms in turn (:mod:`pcourse.bench.mpich`). Nothing heavy is imported here: the benchmark's
+algorithms in turn (:mod:`pcourse.bench.mpich`); ``sharding`` sets ZeRO and FSDP beside
+torch's own (:mod:`pcourse.bench.sharding`). Nothing heavy is imported here: the benchmark's
 launcher starts its ranks before anything loads torch.
 """
 
 import sys
 
 COMMANDS = {"steps": "pcourse.bench.steps", "comm": "pcourse.bench.comm",
-            "versus-source": "pcourse.bench.versus", "mpich-allreduce": "pcourse.bench.mpich"}
+            "versus-source": "pcourse.bench.versus", "mpich-allreduce": "pcourse.bench.mpich",
+            "sharding": "pcourse.bench.sharding"}
 
 
 def main(argv: list[str] | None = None) -> int:

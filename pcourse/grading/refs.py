@@ -365,3 +365,73 @@ def local_sgd_reference(size: int, steps: int, period: int, lr: float = 0.1) -> 
                     for p in ps:
                         p.copy_(mean)
     return [params(m) for m in models]
+
+
+# ---------------------------------------------------------------- 08 sharded optimizer
+
+ZERO_LR, ZERO_DECAY = 0.05, 0.1  # AdamW; weight decay on, so a wrong slice of it shows
+
+
+def zero_model() -> torch.nn.Module:
+    """The gradient exercises' MLP in float64: 50 parameters, which 3 ranks do not divide."""
+    return make_model().double()
+
+
+def zero_trial(my_slice: Callable, sharded_step: Callable, steps: int) -> dict:
+    """ZeRO on this rank: its slice (the learner's ``my_slice``), AdamW on it, ``steps``
+    steps of the learner's ``sharded_step``; the flat parameters after each step.
+
+    The flat parameters and gradient are padded with zeros to the length ``my_slice``
+    says; this rank's AdamW steps only its slice, a copy of it (its master weights).
+    """
+    comm = world()
+    # A process's first optimizer step imports torch's compiler, seconds on a busy
+    # machine: paid here, then met at a barrier with room for it, so that no rank
+    # waits for a slow peer inside the learner's first collective (5 s deadline).
+    warm = torch.zeros(1, requires_grad=True)
+    warm.grad = torch.zeros(1)
+    torch.optim.AdamW([warm]).step()
+    CountingComm(comm, timeout=120.0).Barrier()
+    model = zero_model()
+    x, y = (t.double() for t in shard_of(make_data(), comm.rank, comm.size))
+    n = sum(p.numel() for p in model.parameters())
+    start, stop, padded = my_slice(n, comm.rank, comm.size)
+    flat = torch.zeros(padded, dtype=torch.float64)
+    flat[:n] = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    shard = flat[start:stop].clone()
+    opt = torch.optim.AdamW([shard], lr=ZERO_LR, weight_decay=ZERO_DECAY)
+    out: dict = {"flat": [], "calls": [], "state": []}
+    for _ in range(steps):
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(flat[:n].clone(), model.parameters())
+        model.zero_grad()
+        loss_of(model, x, y).backward()
+        grad = torch.zeros(padded, dtype=torch.float64)
+        grad[:n] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        counting = CountingComm(comm)
+        sharded_step(flat, grad, shard, opt, counting)
+        out["flat"].append(flat[:n].clone())
+        out["calls"].append(counting.calls)
+        out["state"].append(sum(v.numel() for st in opt.state.values() for v in st.values()
+                                if isinstance(v, torch.Tensor) and v.dim() > 0))
+    return out
+
+
+def single_process_adamw(steps: int) -> list[torch.Tensor]:
+    """One process, the whole batch, torch's AdamW: the flat parameters after each step."""
+    model = zero_model()
+    x, y = (t.double() for t in make_data())
+    opt = torch.optim.AdamW(model.parameters(), lr=ZERO_LR, weight_decay=ZERO_DECAY)
+    out = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+        out.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone())
+    return out
+
+
+def slice_reference(n: int, size: int) -> list[tuple[int, int, int]]:
+    """Every rank's (start, stop, padded): equal slices of n padded to a multiple of size."""
+    per = -(-n // size)
+    return [(r * per, (r + 1) * per, per * size) for r in range(size)]

@@ -27,6 +27,7 @@ EXERCISE_AFTER = {
     "05_broadcast_consistency": "05",
     "06_bucketed_allreduce": "07",
     "07_parameter_averaging": "08",
+    "08_sharded_optimizer": "10",
 }
 
 

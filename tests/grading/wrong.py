@@ -513,6 +513,82 @@ WRONG: dict[str, dict[str, Wrong]] = {
             "tampered", [RIGHT, RIGHT], "changes `refs.local_sgd_reference`",
             learner_adds("refs.local_sgd_reference = lambda size, steps, period: None")),
     },
+    "08_sharded_optimizer": {
+        "slices of n // size, no padding": Wrong("point", ["""
+            per = n // size
+            return rank * per, (rank + 1) * per, n""", RIGHT], "check 1/3"),
+        "the last rank takes the remainder": Wrong("point", ["""
+            per = n // size
+            return rank * per, n if rank == size - 1 else (rank + 1) * per, n""", RIGHT],
+                                                   "check 1/3"),
+        "padded length forgotten": Wrong("point", ["""
+            per = -(-n // size)
+            return rank * per, (rank + 1) * per, n""", RIGHT], "check 1/3"),
+        "the next rank's slice": Wrong("size", ["""
+            per = -(-n // size)
+            r = (rank + 1) % size
+            return r * per, (r + 1) * per, per * size""", RIGHT], "check 1/3"),
+        "stepping on the full local gradient": Wrong("point", [RIGHT, """
+            start = comm.rank * shard.numel()
+            shard.grad = flat_grad[start:start + shard.numel()].clone()
+            shard_opt.step()
+            comm.Allgather(shard.detach().numpy(), flat_params.numpy())"""], "check 2/3"),
+        "summed, not averaged": Wrong("point", [RIGHT, """
+            mine = np.empty(shard.numel())
+            comm.Reduce_scatter_block(flat_grad.numpy(), mine, op=MPI.SUM)
+            shard.grad = torch.from_numpy(mine)
+            shard_opt.step()
+            comm.Allgather(shard.detach().numpy(), flat_params.numpy())"""], "check 2/3"),
+        "averaged twice": Wrong("point", [RIGHT, """
+            mine = np.empty(shard.numel())
+            comm.Reduce_scatter_block(flat_grad.numpy(), mine, op=MPI.SUM)
+            shard.grad = torch.from_numpy(mine / comm.size / comm.size)
+            shard_opt.step()
+            comm.Allgather(shard.detach().numpy(), flat_params.numpy())"""], "check 2/3"),
+        "the gradient gathered instead of the parameters": Wrong("point", [RIGHT, """
+            mine = np.empty(shard.numel())
+            comm.Reduce_scatter_block(flat_grad.numpy(), mine, op=MPI.SUM)
+            shard.grad = torch.from_numpy(mine / comm.size)
+            shard_opt.step()
+            comm.Allgather(mine, flat_params.numpy())"""], "check 2/3"),
+        "the old slice of flat_params gathered": Wrong("point", [RIGHT, """
+            mine = np.empty(shard.numel())
+            comm.Reduce_scatter_block(flat_grad.numpy(), mine, op=MPI.SUM)
+            shard.grad = torch.from_numpy(mine / comm.size)
+            shard_opt.step()
+            start = comm.rank * shard.numel()
+            own = flat_params[start:start + shard.numel()].numpy().copy()
+            comm.Allgather(own, flat_params.numpy())"""], "check 2/3"),
+        "gathered before the step": Wrong("point", [RIGHT, """
+            mine = np.empty(shard.numel())
+            comm.Reduce_scatter_block(flat_grad.numpy(), mine, op=MPI.SUM)
+            shard.grad = torch.from_numpy(mine / comm.size)
+            comm.Allgather(shard.detach().numpy(), flat_params.numpy())
+            shard_opt.step()"""], "check 2/3"),
+        "allreduce of the whole gradient, then my slice": Wrong("point", [RIGHT, """
+            comm.Allreduce(MPI.IN_PLACE, flat_grad.numpy(), op=MPI.SUM)
+            start = comm.rank * shard.numel()
+            shard.grad = flat_grad[start:start + shard.numel()] / comm.size
+            shard_opt.step()
+            comm.Allgather(shard.detach().numpy(), flat_params.numpy())"""],
+            "Reduce_scatter_block"),
+        "the optimizer's state dropped every step": Wrong("point", [RIGHT, """
+            mine = np.empty(shard.numel())
+            comm.Reduce_scatter_block(flat_grad.numpy(), mine, op=MPI.SUM)
+            shard.grad = torch.from_numpy(mine / comm.size)
+            shard_opt.state.clear()
+            shard_opt.step()
+            comm.Allgather(shard.detach().numpy(), flat_params.numpy())"""], "check 3/3"),
+        "MPI.COMM_WORLD instead of the comm given": Wrong("size", [RIGHT, """
+            world = MPI.COMM_WORLD
+            mine = np.empty(shard.numel())
+            world.Reduce_scatter_block(flat_grad.numpy(), mine, op=MPI.SUM)
+            shard.grad = torch.from_numpy(mine / world.size)
+            shard_opt.step()
+            world.Allgather(shard.detach().numpy(), flat_params.numpy())"""], "check 2/3"),
+        "the last check cell deleted": Wrong("tampered", [RIGHT, UNSOLVED], "removed",
+                                             drop_check(2)),
+    },
 }
 
 KINDS = ("size", "point", "deadlock", "saved", "tampered")

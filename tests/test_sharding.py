@@ -1,0 +1,176 @@
+"""Reduce-scatter and all-gather (from scratch and on every backend) and ZeRO-1/2, FSDP.
+
+The MPI programs compare against MPI's own collectives and a single-process float64
+run; here they are launched at p = 2, 3, 4 (3 catches direction and indexing bugs,
+which p = 2 hides). In-process: the contracts that need no second rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pcourse.cluster.launch import kill_group
+from pcourse.collectives import chunk_bounds, half_cost_terms
+from pcourse.sharding import (
+    FullyShardedDataParallel,
+    ShardedOptimizer,
+    shard_range,
+    state_bytes,
+    theory_bytes,
+)
+
+SLOW_P = [3, *(pytest.param(p, marks=pytest.mark.slow) for p in (2, 4))]
+
+
+@pytest.mark.parametrize("p", SLOW_P)
+def test_reduce_scatter_and_all_gather_equal_mpi(mpi_run, p: int) -> None:
+    mpi_run(p, "check_reduce_scatter.py", expect=f"reduce-scatter OK on {p} ranks", timeout=240)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_zero_and_fsdp_equal_one_process(mpi_run, p: int) -> None:
+    mpi_run(p, "check_sharding.py", expect=f"sharding OK on {p} ranks", timeout=300)
+
+
+@pytest.mark.slow
+def test_sharding_on_gloo(mpi_run) -> None:
+    mpi_run(3, "check_sharding.py", "gloo", expect="sharding OK on 3 ranks (gloo)", timeout=300)
+
+
+def test_chunks_and_shards_cover_everything_once() -> None:
+    for n in (0, 1, 5, 7, 100):
+        for p in (1, 2, 3, 4):
+            bounds = chunk_bounds(n, p)
+            assert bounds[0][0] == 0 and bounds[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+            lo, hi, padded = shard_range(n, p - 1, p)
+            assert padded % p == 0 and n <= padded < n + p and hi == padded
+    assert half_cost_terms(4) == (3.0, 0.75)
+
+
+def test_theory_matches_the_zero_paper() -> None:
+    psi = 1000
+    assert theory_bytes("ddp", psi, 4) == 16 * psi
+    assert theory_bytes("zero1", psi, 4) == 8 * psi + 8 * psi / 4
+    assert theory_bytes("zero2", psi, 4) == 4 * psi + 12 * psi / 4
+    assert theory_bytes("fsdp", psi, 4, unit=10) == 16 * psi / 4 + 40
+    with pytest.raises(ValueError, match="unknown strategy"):
+        theory_bytes("zero4", psi, 4)
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+
+
+def test_one_rank_sharded_optimizer_is_the_optimizer(one_rank) -> None:
+    """On one rank the slices are the whole: the same as plain AdamW, bit for bit."""
+    x = torch.randn(8, 3)
+    for stage in (1, 2):
+        a, b = model(), model()
+        plain = torch.optim.AdamW(a.parameters(), lr=0.1)
+        ours = ShardedOptimizer(b.parameters(), torch.optim.AdamW, backend=one_rank(),
+                                stage=stage, lr=0.1)
+        for _ in range(3):
+            for m, opt in ((a, plain), (b, ours)):
+                opt.zero_grad()
+                m(x).square().mean().backward()
+                opt.step()
+        for p, q in zip(a.parameters(), b.parameters(), strict=True):
+            assert torch.equal(p, q)
+    held = state_bytes(b, ours)
+    psi = sum(p.numel() for p in b.parameters())
+    assert held["parameters"] == 4 * psi and held["optimizer"] == 8 * psi
+
+
+def test_one_rank_fsdp_is_the_model(one_rank) -> None:
+    a, b = model(), FullyShardedDataParallel(model(), one_rank(), shard=nn.Linear)
+    x = torch.randn(8, 3)
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    for _ in range(3):
+        for m, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            if m is b:
+                m.finish_gradients()
+            opt.step()
+    full = b.full_parameters()
+    assert sorted(full) == sorted(n for n, _ in a.named_parameters())
+    for n, p in a.named_parameters():
+        assert torch.allclose(full[n], p, atol=1e-6)
+    with torch.no_grad():  # eval: no gathered copy outlives the forward
+        assert torch.allclose(b(x), a(x), atol=1e-6)
+    assert all(u.full is None and not u.again for u in b.units)
+
+
+def test_bad_arguments_say_what_to_do(one_rank) -> None:
+    with pytest.raises(ValueError, match="stage must be 1"):
+        ShardedOptimizer(model().parameters(), torch.optim.AdamW, backend=one_rank(), stage=3)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer class"):
+        ShardedOptimizer(model().parameters(), "adamw", backend=one_rank())
+    with pytest.raises(TypeError, match="shard must be"):
+        FullyShardedDataParallel(model(), one_rank(), shard=3)
+    with pytest.raises(ValueError, match="compute_dtype"):
+        FullyShardedDataParallel(model(), one_rank(), compute_dtype=torch.int8)
+    backend = one_rank()
+    with pytest.raises(ValueError, match="pad it"):
+        backend.reduce_scatter(torch.empty(2), torch.empty(3))
+
+
+def test_the_benchmark_says_whether_each_target_is_met() -> None:
+    from pcourse.bench.sharding import targets
+
+    rows = [{"workload": "franke", "ranks": 2, "strategy": s, "median_ms": ms}
+            for s, ms in (("ddp", 10.0), ("zero1", 10.5), ("zero2", 9.0), ("torch-zero", 10.0),
+                          ("fsdp", 13.0), ("torch-fsdp2", 12.0))]
+    said = "\n".join(targets(rows))
+    assert "zero1 ≤ 1.1× ddp (franke, 2 ranks): 1.05× — met" in said
+    assert "zero1 ≤ 1× torch-zero (franke, 2 ranks): 1.05× — NOT met" in said
+    assert "fsdp ≤ 1× torch-fsdp2 (franke, 2 ranks): 1.08× — NOT met" in said
+    four = [dict(r, ranks=4) for r in rows]
+    assert "fsdp" not in "\n".join(line for line in targets(four) if "torch-fsdp2" in line)
+
+
+@pytest.mark.slow
+def test_sharding_under_torchrun_on_torchs_own_group() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    torchrun = Path(sys.executable).parent / "torchrun"
+    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", "3",
+                             "tests/torchrun/check_sharding.py"], cwd=repo, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert "sharding without MPI OK (torchrun, 3 ranks)" in out
+
+
+def test_a_scheduler_steers_the_sharded_optimizer_as_it_does_torchs(one_rank) -> None:
+    """LR schedulers change ``param_groups``; the local optimizer must follow them."""
+    a, b = model(), model()
+    x = torch.randn(8, 3)
+    plain = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    ours = ShardedOptimizer(b.parameters(), torch.optim.SGD, backend=one_rank(), lr=0.1,
+                            momentum=0.9)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (plain, ours)]
+    for _ in range(3):
+        for m, opt, sched in ((a, plain, scheds[0]), (b, ours, scheds[1])):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+            sched.step()
+    assert ours.param_groups[0]["lr"] == plain.param_groups[0]["lr"] == 0.1 / 8  # read at step()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+    state = ours.state_dict()
+    assert state["rank"] == 0 and state["local"]["state"]
+    ours.load_state_dict(state)
