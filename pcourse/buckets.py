@@ -10,6 +10,12 @@ it. Lesson 07 explains why both help, and measures them against DDP. Usage::
     reducer.finish()                                # wait; p.grad is the average
     optimizer.step(); optimizer.zero_grad()
 
+``on_event`` watches a step without touching the reducer's internals: it is
+called with (event, bucket index) at ``"launch"`` (the bucket is about to be
+sent), ``"launched"`` (the call returned; with overlap the reduction is in
+flight), ``"wait"`` (``finish()`` starts waiting for it) and ``"done"`` (its
+average is in place). Lesson 07 timestamps these to draw a step's timeline.
+
 Every rank must issue the *same collectives in the same order*, so buckets launch
 strictly in index order, and a parameter without a gradient on this rank adds
 zeros. Each bucket carries one flag per parameter (1: this rank has a gradient);
@@ -19,7 +25,7 @@ DDP, so optimizers with weight decay or momentum skip it there too.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -29,6 +35,9 @@ from torch import nn
 
 from pcourse.backends import Backend, Work
 from pcourse.data_parallel import check_same_model
+
+EVENTS = ("launch", "launched", "wait", "done")  # in this order, once per bucket and step
+EventHook = Callable[[str, int], None]  # (event, bucket index)
 
 
 @dataclass
@@ -102,6 +111,7 @@ class BucketedAllreduce:
         backend: Backend,
         bucket_cap_mb: float = 25.0,
         overlap: bool = True,
+        on_event: EventHook | None = None,
     ) -> None:
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
@@ -110,6 +120,7 @@ class BucketedAllreduce:
         if not params:
             raise ValueError("the model has no parameter with requires_grad=True to reduce")
         self.backend, self.overlap = backend, overlap
+        self.on_event: EventHook = on_event or (lambda event, b: None)
         cap = max(1, int(bucket_cap_mb * 2**20))
         self.buckets = [_make_bucket(group) for group in plan_buckets(params, cap)]
         self._next = 0  # index of the next bucket to launch: launches go in order
@@ -173,10 +184,12 @@ class BucketedAllreduce:
     def _launch_in_order(self) -> None:
         """Start every complete bucket, in index order, stopping at the first gap."""
         while self._next < len(self.buckets) and self.buckets[self._next].complete:
-            self._launch(self.buckets[self._next])
+            self._launch(self._next)
             self._next += 1
 
-    def _launch(self, bucket: Bucket) -> None:
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        self.on_event("launch", b)
         n = len(bucket.params)
         bucket.flat[-n:] = torch.tensor(bucket.has_grad, dtype=bucket.flat.dtype)
         # check=False: the layout, the same on every rank, was checked once, at creation.
@@ -184,6 +197,7 @@ class BucketedAllreduce:
             bucket.work = self.backend.allreduce_async(bucket.flat, "avg", check=False)
         else:
             self.backend.allreduce(bucket.flat, "avg", check=False)
+        self.on_event("launched", b)
 
     def finish(self) -> None:
         """Reduce what backward left pending, wait for every bucket, set ``p.grad``.
@@ -194,16 +208,19 @@ class BucketedAllreduce:
         if not self._syncing:
             raise RuntimeError("finish() inside no_sync(): leave the block, run the last "
                                "backward, then call finish()")
-        for bucket in self.buckets[self._next :]:
+        for b in range(self._next, len(self.buckets)):
+            bucket = self.buckets[b]
             for i, staged in enumerate(bucket.staged):
                 if not staged:
                     self._stage(bucket, i)
-            self._launch(bucket)
+            self._launch(b)
         had_any = False
-        for bucket in self.buckets:
+        for b, bucket in enumerate(self.buckets):
+            self.on_event("wait", b)
             if bucket.work is not None:
                 bucket.work.wait()
             had_any |= self._unpack(bucket)
+            self.on_event("done", b)
             bucket.reset()
         self._next = 0
         if not had_any:  # the flags are averaged: every rank takes the same decision

@@ -171,3 +171,26 @@ def test_matches_ddp_and_single_process_reference(mpi_run, ranks: int) -> None:
     """Every model x backend x overlap x cap, and accumulation; one launch per rank count."""
     mpi_run(ranks, "check_buckets.py", expect=f"buckets ok on {ranks} ranks", timeout=240,
             env={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_event_hook_sees_every_bucket_in_order(one_rank, overlap: bool) -> None:
+    """launch, launched, wait, done once per bucket and step; with overlap the launches
+    come during backward, without it all in finish()."""
+    events: list[tuple[str, int, str]] = []
+    phase = ["backward"]
+    model = mlp()
+    reducer = BucketedAllreduce(model, one_rank(), bucket_cap_mb=TINY_CAP_MB, overlap=overlap,
+                                on_event=lambda event, b: events.append((event, b, phase[0])))
+    n = len(reducer.buckets)
+    for _ in range(2):
+        events.clear()
+        phase[0] = "backward"
+        model(torch.randn(3, 4)).sum().backward()
+        phase[0] = "finish"
+        reducer.finish()
+        for k in range(n):
+            assert [e for e, b, _ in events if b == k] == ["launch", "launched", "wait", "done"]
+        launches = [(b, where) for e, b, where in events if e == "launch"]
+        assert [b for b, _ in launches] == list(range(n))
+        assert {where for _, where in launches} == {"backward" if overlap else "finish"}

@@ -14,21 +14,38 @@ import pytest
 from pcourse.bench import steps as stepbench
 
 
+def make_model(workload: str):
+    from pcourse.workloads.franke import make_model as franke
+    from pcourse.workloads.vae import make_model as vae
+
+    return franke() if workload == "franke" else vae()
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_quick_run_writes_every_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "steps.csv"
     assert stepbench.main(["--quick", "--out", str(out), "--timeout", "150"]) == 0
     rows = list(csv.DictReader(out.open()))
-    expected = {tuple(p.split("@")) for p in stepbench.paths("gloo")}
+    caps = stepbench.StepSpec.smoke().caps
+    expected = {(kind, backend, "" if cap is None else str(cap))
+                for kind, backend, cap in map(stepbench.split_path, stepbench.paths("gloo", caps))}
     for workload in ("franke", "mnist"):
         mine = [r for r in rows if r["workload"] == workload]
-        assert {(r["path"], r["backend"]) for r in mine} == expected
-        ddp = next(float(r["median_ms"]) for r in mine if r["path"] == "DDP")
+        assert {(r["path"], r["backend"], r["bucket_cap"]) for r in mine} == expected
+        n_params = len(list(make_model(workload).parameters()))
+        ddp = {r["bucket_cap"]: float(r["median_ms"]) for r in mine if r["path"] == "DDP"}
         per_param = {r["backend"]: float(r["median_ms"]) for r in mine if r["path"] == "per-param"}
         for r in mine:
             assert 0 < float(r["p25_ms"]) <= float(r["median_ms"]) <= float(r["p75_ms"])
-            ratio = float(r["median_ms"]) / ddp
+            if r["bucket_cap"] == "1":  # a bucket per parameter, ours and DDP's
+                assert int(r["buckets"]) == n_params
+            elif r["bucket_cap"]:  # 25 MiB: both models fit in one bucket
+                assert int(r["buckets"]) == 1
+            else:
+                assert r["buckets"] == ""
+            same_cap = r["bucket_cap"] or str(stepbench.DEFAULT_CAP)
+            ratio = float(r["median_ms"]) / ddp[same_cap]
             assert float(r["ratio_to_ddp"]) == pytest.approx(ratio, rel=1e-2, abs=1e-3)
             if r["backend"] in per_param:  # the strategy alone: same backend, per-param = 1
                 ratio = float(r["median_ms"]) / per_param[r["backend"]]
@@ -43,14 +60,46 @@ def test_every_strategy_runs_on_mpi_and_the_torch_backend() -> None:
     """Issue 13: bucketed and per-parameter compared on the same backend."""
     for torch_backend in ("gloo", "nccl"):
         kinds = {}
-        for path in stepbench.paths(torch_backend):
-            kind, _, backend = path.partition("@")
+        for path in stepbench.paths(torch_backend, stepbench.QUICK_CAPS):
+            kind, backend, _ = stepbench.split_path(path)
             kinds.setdefault(kind, set()).add(backend)
         for kind in ("per-param", "bucketed", "bucketed+overlap"):
             assert {"mpi", torch_backend} <= kinds[kind]
+        caps = {stepbench.split_path(p)[2] for p in stepbench.paths(torch_backend, (1, 2))}
+        assert caps == {None, 1, 2}  # every cap swept, and the paths without buckets
+
+
+def row(path: str, backend: str, cap: int | str, ms: float, buckets: int | str = 2) -> dict:
+    return {"workload": "w", "ranks": 2, "path": path, "backend": backend, "bucket_cap": cap,
+            "buckets": buckets, "median_ms": ms}
+
+
+def test_ratios_and_the_target_compare_at_the_same_cap() -> None:
+    """DDP is fastest at 25 MiB, ours at 1 MiB: the target compares with DDP at 1 MiB."""
+    rows = [row("no averaging", "-", "", 1.0, ""),
+            row("bucketed+overlap", "gloo", 2**20, 3.0), row("bucketed", "gloo", 2**20, 4.0),
+            row("bucketed+overlap", "gloo", 25 * 2**20, 9.0, 1),
+            row("bucketed+overlap", "mpi", 2**20, 1.0),  # another backend: not ours here
+            row("DDP", "gloo", 2**20, 5.0), row("DDP", "gloo", 25 * 2**20, 2.0, 1)]
+    stepbench.with_ratios(rows)
+    assert [r["ratio_to_ddp"] for r in rows] == [0.5, 0.6, 0.8, 4.5, 0.2, 1.0, 1.0]
+    (t,) = stepbench.targets(rows)
+    assert (t["cap"], t["backend"], t["met"], t["overlap_paid"]) == (2**20, "gloo", True, True)
+    assert t["ratio"] == pytest.approx(0.6)
+    rows[1]["median_ms"] = 4.6  # now slower than DDP's 0.9 and than no overlap
+    (t,) = stepbench.targets(rows)
+    assert (t["met"], t["overlap_paid"]) == (False, False)
+
+
+@pytest.mark.parametrize("text, nbytes", [("1", 1), ("64KiB", 65536), ("25MiB", 25 * 2**20),
+                                          ("0.5mib", 2**19), ("300B", 300)])
+def test_caps_are_read_with_units(text: str, nbytes: int) -> None:
+    assert stepbench.parser().parse_args(["--caps", text]).caps == [nbytes]
 
 
 @pytest.mark.parametrize("argv, says", [
+    (["--caps", "0"], "under one byte"),
+    (["--caps", "big"], "not a bucket cap"),
     (["--ranks", "0"], "at least 1"),
     (["--ranks", "3"], "split evenly"),  # Franke's global batch of 256 over 3 ranks
 ])

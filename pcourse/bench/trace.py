@@ -1,0 +1,203 @@
+"""A trace of one training step with BucketedAllreduce: per rank, as Perfetto reads it.
+
+On each engine, :func:`record_step` runs a few steps of a course workload (the step
+benchmark's step: :mod:`pcourse.bench.steps`) and profiles the last with
+``torch.profiler``. The reducer's event hook (``BucketedAllreduce(on_event=...)``,
+no private names) opens a ``record_function`` range from a bucket's launch until
+its call returns, and from the start of its wait until its average is in place,
+so backward's autograd nodes and the buckets are on one clock. In the kernel,
+:func:`chrome_trace` merges the ranks (one process each) and adds each bucket's
+time in flight, from its launch to the end of its wait: an upper bound on when
+the reduction really ended. :func:`write` saves the JSON atomically (open it at
+https://ui.perfetto.dev); :func:`summary` reads the numbers back from the trace;
+:func:`plot` draws it. Lesson 07 uses all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pcourse.utils.io import atomic_write
+
+PHASES = ("forward", "backward", "finish", "optimizer")
+MiB = 1 << 20
+
+
+def record_step(workload: str = "mnist", backend: str = "gloo", cap: int = MiB,
+                overlap: bool = True, steps: int = 4) -> dict:
+    """On every engine: ``steps`` steps, the last profiled; its events, in ms from its start.
+
+    Collective: every engine must call it with the same arguments.
+    """
+    import copy
+    import tempfile
+
+    import torch
+    from mpi4py import MPI
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from pcourse.backends import make_backend
+    from pcourse.bench.steps import workload_config
+    from pcourse.buckets import BucketedAllreduce
+    from pcourse.workloads import make_workload
+    from pcourse.workloads.config import batch_sizes
+
+    # kineto logs every profiler start and stop on stderr unless its level is this high;
+    # it reads the variable when the first profile starts
+    os.environ.setdefault("KINETO_LOG_LEVEL", "9")
+    comm = MPI.COMM_WORLD
+    if steps < 1 or cap < 1:
+        raise ValueError(f"steps and cap must be at least 1, got {steps}, {cap}")
+    config = workload_config(workload)
+    wl = make_workload(workload, config, torch.device("cpu"))
+    local, _ = batch_sizes(config.scaling, config.batch_size, comm.size, wl.n_train)
+    gen = torch.Generator().manual_seed(100 + comm.rank)
+    open_ranges: dict[tuple[str, int], Any] = {}
+
+    def on_event(event: str, b: int) -> None:
+        if event in ("launch", "wait"):
+            open_ranges[event, b] = record_function(f"{event} bucket {b}")
+            open_ranges[event, b].__enter__()
+        else:
+            opened = "launch" if event == "launched" else "wait"
+            open_ranges.pop((opened, b)).__exit__(None, None, None)
+
+    with make_backend(backend) as be:
+        model = copy.deepcopy(wl.model)
+        reducer = BucketedAllreduce(model, be, cap / MiB, overlap=overlap, on_event=on_event)
+        opt, _ = wl.make_optimizer(model)
+
+        def step() -> None:
+            idx = torch.randint(0, wl.n_train, (local,), generator=gen)
+            with record_function("step"):
+                opt.zero_grad(set_to_none=False)
+                with record_function("forward"):
+                    loss = wl.loss_sum(model, idx, 0) / len(idx)
+                with record_function("backward"):
+                    loss.backward()
+                with record_function("finish"):
+                    reducer.finish()
+                with record_function("optimizer"):
+                    opt.step()
+
+        for _ in range(steps - 1):
+            step()
+        be.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+        reducer.remove()
+        buckets = len(reducer.buckets)
+    fd, tmp = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        raw = json.loads(Path(tmp).read_text())["traceEvents"]
+    finally:
+        os.unlink(tmp)
+    return {"rank": comm.rank, "buckets": buckets, "overlap": overlap, "backend": backend,
+            "workload": workload, "cap": cap, "events": _keep(raw)}
+
+
+def _keep(raw: list[dict]) -> list[dict]:
+    """The step's ranges and backward's autograd nodes, in ms from the step's start."""
+    mine = [e for e in raw if e.get("ph") == "X" and (
+        e.get("cat") == "user_annotation"
+        or e.get("name", "").startswith("autograd::engine::evaluate_function"))]
+    t0 = min(e["ts"] for e in mine if e["name"] == "step")
+    return [{"name": e["name"], "start": (e["ts"] - t0) / 1e3, "ms": e["dur"] / 1e3,
+             "kind": "annotation" if e.get("cat") == "user_annotation" else "autograd"}
+            for e in mine if e["ts"] >= t0]
+
+
+def in_flight(events: Sequence[dict]) -> dict[int, tuple[float, float]]:
+    """Bucket k -> (launch start, wait end) in ms: the time its reduction may be moving."""
+    starts = {int(e["name"].split()[-1]): e["start"] for e in events
+              if e["name"].startswith("launch bucket")}
+    ends = {int(e["name"].split()[-1]): e["start"] + e["ms"] for e in events
+            if e["name"].startswith("wait bucket")}
+    return {k: (starts[k], ends[k]) for k in sorted(starts)}
+
+
+def chrome_trace(records: Sequence[dict]) -> dict:
+    """The ranks' records as one Chrome trace: a process per rank; thread 0 the step,
+    thread 1 backward's autograd nodes, thread 2 + k bucket k in flight."""
+    events: list[dict] = []
+    for rec in records:
+        pid = rec["rank"]
+        events.append({"ph": "M", "name": "process_name", "pid": pid,
+                       "args": {"name": f"rank {pid}"}})
+        names = {0: "step", 1: "autograd"} | {2 + k: f"bucket {k} in flight"
+                                              for k in range(rec["buckets"])}
+        events += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                    "args": {"name": name}} for tid, name in names.items()]
+        for e in rec["events"]:
+            events.append({"ph": "X", "name": e["name"], "pid": pid,
+                           "tid": 0 if e["kind"] == "annotation" else 1,
+                           "ts": e["start"] * 1e3, "dur": e["ms"] * 1e3,
+                           "cat": e["kind"]})
+        for k, (start, end) in in_flight(rec["events"]).items():
+            events.append({"ph": "X", "name": f"allreduce bucket {k}", "pid": pid,
+                           "tid": 2 + k, "ts": start * 1e3, "dur": (end - start) * 1e3,
+                           "cat": "in flight"})
+    meta = {key: records[0][key] for key in ("workload", "backend", "cap", "overlap")}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
+
+
+def write(trace: dict, path: str | os.PathLike[str]) -> Path:
+    """Save ``trace`` as JSON at ``path``, atomically (a reader never sees half a file)."""
+    with atomic_write(path) as f:
+        json.dump(trace, f)
+    return Path(path)
+
+
+def _span(events: list[dict], pid: int, name: str) -> tuple[float, float]:
+    (e,) = [e for e in events if e["pid"] == pid and e.get("name") == name and e["ph"] == "X"]
+    return e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3
+
+
+def summary(trace: dict) -> list[dict]:
+    """Per rank, read from the trace (ms): backward, finish, the buckets' time in flight,
+    the share of it inside backward (``hidden``) and the time finish() spent waiting."""
+    events = trace["traceEvents"]
+    out = []
+    for pid in sorted({e["pid"] for e in events}):
+        b0, b1 = _span(events, pid, "backward")
+        flights = [(e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3) for e in events
+                   if e["pid"] == pid and e.get("cat") == "in flight"]
+        total = sum(end - start for start, end in flights)
+        inside = sum(max(0.0, min(end, b1) - max(start, b0)) for start, end in flights)
+        waits = sum(e["dur"] / 1e3 for e in events if e["pid"] == pid and e["ph"] == "X"
+                    and e["name"].startswith(("wait bucket", "launch bucket"))
+                    and e["ts"] / 1e3 >= b1)
+        f0, f1 = _span(events, pid, "finish")
+        out.append({"rank": pid, "backward_ms": b1 - b0, "finish_ms": f1 - f0,
+                    "in_flight_ms": total, "hidden": inside / total if total else 0.0,
+                    "exposed_ms": waits, "buckets": len(flights)})
+    return out
+
+
+def plot(trace: dict, ax: Any, rank: int = 0, title: str = "") -> None:
+    """One rank's step: phases, autograd nodes, each bucket's launch, flight and wait."""
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == rank]
+    colour = dict(zip(PHASES, ("C7", "C0", "C3", "C2"), strict=True))
+    for e in events:
+        start, ms, name = e["ts"] / 1e3, e["dur"] / 1e3, e["name"]
+        if name in colour:
+            ax.barh(3, ms, left=start, color=colour[name], label=name)
+        elif e["cat"] == "autograd":
+            ax.barh(2.4, ms, left=start, height=0.4, color="C0", alpha=0.5, edgecolor="k", lw=0.3)
+        elif e["cat"] == "in flight":
+            k = int(name.split()[-1])
+            ax.barh(1.6 - 0.15 * k, ms, left=start, height=0.12, color=f"C{k % 10}", alpha=0.6)
+        elif name.startswith(("launch bucket", "wait bucket")):
+            k = int(name.split()[-1])
+            ax.barh(1.6 - 0.15 * k, max(ms, 0.02), left=start, height=0.12, color="k")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper right")
+    ax.set_yticks([3, 2.4, 1.6], ["step", "autograd nodes", "buckets (black: launch, wait)"])
+    ax.set_title(title, fontsize=9)
