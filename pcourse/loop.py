@@ -80,7 +80,9 @@ def local_batches(n: int, rank: int, size: int, local_batch: int, seed: int, epo
 
     With the strided layout, rank r's k-th batch is every size-th index of the k-th
     run of ``size * local_batch`` shuffled indices, so the ranks' k-th batches
-    together are the serial run's k-th batch, whatever the rank count.
+    together are the serial run's k-th batch, whatever the rank count. A partial last
+    batch is kept (the source's DataLoader drops it, ``drop_last=True``): every sample
+    is used each epoch, and an epoch has ceil(n / global batch) updates.
     """
     mine = partition_indices(n, rank, size, seed=seed, epoch=epoch, layout="strided")
     return torch.split(mine, local_batch)

@@ -36,6 +36,7 @@ from pcourse.workloads.vae import (
     VAE,
     MNISTConfig,
     latent_walk_figure,
+    make_workload,
     reconstruction_figure,
     vae_loss,
 )
@@ -149,6 +150,47 @@ def test_mnist_damaged_file_is_refused(tmp_path, damage):
     with pytest.raises(mnist.MNISTError, match="truncated|magic") as err:
         mnist.load_mnist("test", tmp_path)
     assert "t10k-images-idx3-ubyte" in str(err.value)
+
+
+@needs_mnist
+@pytest.mark.parametrize(("split", "limit"), [("test", 500), ("test", None)])
+def test_mnist_held_out_images_are_never_trained_on(split, limit):
+    """Quick mode trains on the test split: the held-out images must not be among them."""
+    (x, labels), (held, held_labels) = mnist.train_and_held_out(split, MNIST_DIR, limit=limit,
+                                                                n_eval=300)
+    full, full_labels = mnist.load_mnist("test", MNIST_DIR)
+    assert torch.equal(held, full[:300]) and torch.equal(held_labels, full_labels[:300])
+    assert len(x) == (limit or len(full) - 300)
+    assert torch.equal(x, full[300:300 + len(x)])  # the images right after the held-out ones
+    # no training image equals any held-out image (MNIST has no exact duplicates here)
+    train_rows = {bytes(row.numpy()) for row in (x * 255).to(torch.uint8)}
+    assert not any(bytes(row.numpy()) in train_rows for row in (held * 255).to(torch.uint8))
+
+
+@needs_mnist
+def test_vae_evaluates_on_the_held_out_images():
+    """evaluate() is the loss of the held-out images, not of the training images."""
+    config = dataclasses.replace(MNIST, n_eval=200)
+    wl = make_workload(config)
+    (x, _), (held, _) = mnist.train_and_held_out(config.split, MNIST_DIR, limit=config.limit,
+                                                 n_eval=200)
+    model = wl.model.double().eval()
+
+    def loss_of(images):
+        images = images.double()
+        logits, mu, logvar = model(images, torch.zeros(len(images), config.latent,
+                                                       dtype=torch.float64))
+        return vae_loss(logits, images, mu, logvar).item()
+
+    assert wl.n_train == len(x)
+    assert wl.evaluate(model) == pytest.approx(loss_of(held), rel=1e-12)
+    assert wl.evaluate(model) != pytest.approx(loss_of(x[:200]), rel=1e-6)
+
+
+@pytest.mark.parametrize("n_eval", [0, 10_000])
+def test_mnist_held_out_count_is_checked(n_eval):
+    with pytest.raises(ValueError, match="n_eval"):
+        mnist.train_and_held_out("test", limit=10, n_eval=n_eval)
 
 
 def test_mnist_missing_file_names_file_folder_and_fix(tmp_path):

@@ -60,12 +60,20 @@ class MNISTConfig:
     scaling; the default, 64 per rank in weak scaling, is the README's runs, and at
     4 ranks it is the source's default global batch of 256.
 
-    ``quick()`` is the minutes-scale run the tests and notebooks use: the test
-    split (a smaller download than the training split), fewer images and epochs.
+    Evaluation is always on images the model never trains on: the first ``n_eval``
+    images of the test split (the source's ``--ntest`` validation set, 1,000 images).
+    With ``split="train"`` the training images are the training split's first
+    ``limit``; with ``split="test"`` they are the ``limit`` test images *after* the
+    held-out ones, so the test split serves both without overlap.
+
+    ``quick()`` is the minutes-scale run the tests and notebooks use: the test split
+    (the only split an offline machine may have, and a smaller download), fewer images
+    and epochs, the same held-out images.
     """
 
     split: str = "train"
-    limit: int | None = 10_000  # the source's --ntrain: the first 10,000 images
+    limit: int | None = 10_000  # the source's --ntrain: the first 10,000 training images
+    n_eval: int = 1_000  # held out: the first n_eval test images (the source's --ntest)
     data_dir: str | None = None  # None: the folders pcourse.workloads.mnist.resolve_dir tries
     latent: int = 2
     batch_size: int = 64
@@ -80,7 +88,8 @@ class MNISTConfig:
 
     @classmethod
     def quick(cls, **changes: object) -> MNISTConfig:
-        """The 10,000-image test split, its first 2,048 images, 2 epochs, batch 128."""
+        """Test images 1,000 to 3,047 for training (the first 1,000 held out), 2 epochs,
+        batch 128."""
         base = cls(split="test", limit=2048, epochs=2, batch_size=128)
         return dataclasses.replace(base, **changes)
 

@@ -89,6 +89,8 @@ def make_workload(config: FrankeConfig | None = None, device: str = "cpu") -> Wo
     cfg = config or FrankeConfig()
     dtype = getattr(torch, cfg.dtype)
     x, y = (t.to(device) for t in make_data(cfg.n_points, cfg.seed, dtype))
+    # seed + 1: new points. The source draws its test set with the training seed, so
+    # its 1,000 test points are its first 1,000 training points (lesson 05 shows it).
     x_test, y_test = (t.to(device) for t in make_data(cfg.n_test, cfg.seed + 1, dtype))
     model = make_model(cfg.hidden, cfg.seed).to(device=device, dtype=dtype)
 

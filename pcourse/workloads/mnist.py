@@ -9,8 +9,11 @@ that folder are downloaded into it the ordinary way where a network is there
 the files, the folder and how to fix it. A truncated or foreign file is refused with
 a clear error rather than turned into a few thousand silently wrong images.
 
-Quick mode uses the 10,000-image test split (a smaller download); full mode the
-source's first 10,000 images of the 60,000-image training split.
+The VAE (:func:`train_and_held_out`) always evaluates on the first 1,000 test images,
+the source's validation set, and never trains on them. Full mode trains on the
+source's first 10,000 images of the 60,000-image training split; quick mode on test
+images after the held-out ones (the test split is the smaller download, and the only
+split an offline copy may hold).
 """
 
 from __future__ import annotations
@@ -199,3 +202,26 @@ def load_mnist(
                                 **download_kw)
     x = torch.from_numpy(images.reshape(len(images), -1).astype(np.float32) / 255.0)
     return x, torch.from_numpy(labels.astype(np.int64))
+
+
+def train_and_held_out(
+    split: str, data_dir: str | os.PathLike[str] | None = None, *,
+    limit: int | None = None, n_eval: int = 1_000, allow_download: bool | None = None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """((training images, labels), (held-out images, labels)), disjoint, as :func:`load_mnist`.
+
+    Held out: the first ``n_eval`` test images (the source's validation set). Training:
+    the first ``limit`` images of ``split``; from the test split, the ``limit`` after
+    the held-out ones, so that no image is both trained on and evaluated on.
+    """
+    if n_eval < 1:
+        raise ValueError(f"n_eval must be at least 1 held-out image, got {n_eval}")
+    if n_eval >= COUNTS["test"]:
+        raise ValueError(f"n_eval={n_eval} holds out the whole test split of {COUNTS['test']}; "
+                         "hold out fewer images")
+    test_x, test_y = load_mnist("test", data_dir, allow_download=allow_download)
+    held = (test_x[:n_eval], test_y[:n_eval])
+    if split == "test":
+        stop = None if limit is None else n_eval + limit
+        return (test_x[n_eval:stop], test_y[n_eval:stop]), held
+    return load_mnist(split, data_dir, allow_download=allow_download, limit=limit), held

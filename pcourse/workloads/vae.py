@@ -5,7 +5,10 @@ variance) and the mirror image for the decoder, as the source's (``src_mnist/nn.
 the decoder returns logits and the loss uses ``binary_cross_entropy_with_logits``,
 the source's sigmoid + binary cross-entropy computed without overflow. The loss is
 summed per sample, and each sample's reparameterisation noise is looked up by its
-index in a seeded table, so that any number of ranks makes the serial run's updates.
+index in a seeded table, so that any number of ranks makes the serial run's updates
+(the source's ``randn_like`` on ranks that all seed 12345 draws the same noise on every
+rank instead). The held-out loss is computed on test images the model never trains on
+(:func:`pcourse.workloads.mnist.train_and_held_out`).
 
 Lesson 06 trains it and explains both choices.
 """
@@ -20,7 +23,7 @@ from torch.nn import functional as F
 
 from pcourse.workloads.base import Workload
 from pcourse.workloads.config import MNISTConfig
-from pcourse.workloads.mnist import load_mnist
+from pcourse.workloads.mnist import train_and_held_out
 
 if TYPE_CHECKING:  # matplotlib loads only where a picture is drawn, never on a training rank
     from matplotlib.figure import Figure
@@ -84,8 +87,10 @@ def make_workload(config: MNISTConfig | None = None, device: str = "cpu") -> Wor
     """Data, model, loss and optimiser for :func:`pcourse.loop.train`."""
     cfg = config or MNISTConfig()
     dtype = getattr(torch, cfg.dtype)
-    images, _ = load_mnist(cfg.split, cfg.data_dir, limit=cfg.limit)
+    (images, _), (held_out, _) = train_and_held_out(cfg.split, cfg.data_dir, limit=cfg.limit,
+                                                    n_eval=cfg.n_eval)
     x = images.to(device=device, dtype=dtype)
+    x_eval = held_out.to(device=device, dtype=dtype)
     model = make_model(cfg.latent, cfg.seed).to(device=device, dtype=dtype)
     noise: dict[int, torch.Tensor] = {}
 
@@ -108,10 +113,10 @@ def make_workload(config: MNISTConfig | None = None, device: str = "cpu") -> Wor
 
     @torch.no_grad()
     def evaluate(net: nn.Module) -> float:
-        sample = x[:1000]  # deterministic: the mean code, no noise
-        zeros = torch.zeros(len(sample), cfg.latent, dtype=dtype, device=device)
-        logits, mu, logvar = net(sample, zeros)
-        return vae_loss(logits, sample, mu, logvar).item()
+        """Mean loss per held-out image, at the mean code (no noise: deterministic)."""
+        zeros = torch.zeros(len(x_eval), cfg.latent, dtype=dtype, device=device)
+        logits, mu, logvar = net(x_eval, zeros)
+        return vae_loss(logits, x_eval, mu, logvar).item()
 
     return Workload("mnist", model, len(x), loss_sum, optimizer, evaluate)
 
