@@ -181,3 +181,32 @@ def test_engines_started_as_a_slurm_job_are_one_mpi_job(tmp_path, monkeypatch):
         stop_cluster()
     assert (tmp_path / "cancelled").read_text().split() == ["4242"]  # the job was cancelled
     assert not mc.folder.exists() and not cluster_processes()
+
+
+def test_a_contained_job_reaches_nothing_outside_and_leaves_nothing_behind():
+    """The grader's engines run in a PID namespace: no signal out, no survivor after."""
+    import subprocess
+    import sys
+    import uuid
+
+    prefix, why = launch.containment()
+    if not prefix:
+        pytest.skip(f"no PID namespace here: {why}")
+    mark = uuid.uuid4().hex
+    reach = subprocess.run(
+        [*prefix, sys.executable, "-c", f"import os; os.kill({os.getpid()}, 0)"],
+        capture_output=True, text=True, timeout=30)
+    assert reach.returncode != 0 and "ProcessLookupError" in reach.stderr, reach
+    left = subprocess.run(  # a daemon in a session of its own, then the job ends
+        [*prefix, "sh", "-c", "setsid sleep 300 </dev/null >/dev/null 2>&1 & exit 0"],
+        env={**os.environ, "PCOURSE_TEST_MARK": mark}, timeout=30)
+    assert left.returncode == 0
+    survivors = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("PCOURSE_TEST_MARK") == mark:
+                survivors.append(proc)
+        except psutil.Error:
+            continue
+    psutil.wait_procs(survivors, timeout=5)  # the namespace's teardown is asynchronous
+    assert not [p for p in survivors if p.is_running()], survivors

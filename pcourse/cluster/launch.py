@@ -108,6 +108,42 @@ def mpi_launcher(hostfile: str | os.PathLike[str] | None = None) -> Launcher:
     return Launcher([mpiexec], env)
 
 
+_contained: tuple[list[str], str] | None = None
+
+
+def containment() -> tuple[list[str], str]:
+    """A prefix that runs a command in a PID namespace of its own, and why not if none.
+
+    ``([...], "")`` where ``unshare`` can make one here (as root; as an ordinary user
+    inside a user namespace of its own), else ``([], reason)``. Inside, the command
+    and everything it starts see only each other: they cannot signal any process
+    outside, and when the command ends, or ``unshare`` itself is killed
+    (``--kill-child``), the kernel kills every process left in it.
+    Probed once per process.
+    """
+    global _contained
+    if _contained is None:
+        _contained = _probe_containment()
+    return _contained
+
+
+def _probe_containment() -> tuple[list[str], str]:
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return [], "no `unshare` command (util-linux) on this machine"
+    prefix = [unshare, "--pid", "--fork", "--mount-proc", "--kill-child"]
+    if os.geteuid() != 0:
+        prefix[1:1] = ["--user", "--map-root-user"]
+    try:
+        done = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return [], f"`unshare` failed: {exc}"
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or ["no reason given"])[-1]
+        return [], f"this machine refuses a PID namespace ({why})"
+    return prefix, ""
+
+
 def max_engines() -> int:
     """Beyond this many engines a single machine only thrashes; refuse early."""
     return max(8, 4 * (os.cpu_count() or 1), _gpu_count())
