@@ -359,6 +359,50 @@ def launch(module: str, argv: Sequence[str], ranks: int, *, timeout: float,
 # ---- the command line's checks and results files --------------------------------------
 
 
+# ---- the command lines' argument types (argparse ``type=``): refused as they are read ----
+
+
+def whole(least: int = 1, most: int | None = None, what: str = "") -> Callable[[str], int]:
+    """An argparse type: a whole number in [least, most], or an error naming the value.
+
+    Refused while the command line is read, so nothing starts (no MPI job, no file)
+    on a value that cannot work; ``what`` says why there is an upper limit.
+    """
+    def parse(text: str) -> int:
+        try:
+            value = int(text.replace("_", ""))
+        except ValueError:
+            raise _bad(f"{text!r} is not a whole number (write it out: 1000000, not 10**6)"
+                       ) from None
+        if value < least:
+            raise _bad(f"{value} is too small: it must be at least {least}")
+        if most is not None and value > most:
+            raise _bad(f"{value:,} is too large: at most {most:,}{what}")
+        return value
+    parse.__name__ = "whole number"
+    return parse
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a time limit, in seconds, above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise _bad(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise _bad(f"{text} seconds: a time limit must be above 0 (e.g. 600)")
+    return value
+
+
+seconds.__name__ = "seconds"
+
+
+def _bad(message: str) -> Exception:
+    import argparse
+
+    return argparse.ArgumentTypeError(message)
+
+
 def check_ranks(counts: Sequence[int], oversubscribe: bool) -> str:
     """Refuse rank counts this machine cannot run sensibly; a note if ranks share cores.
 
