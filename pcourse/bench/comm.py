@@ -249,7 +249,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line, with ``args.spec`` (a checked :class:`CommSpec`) built from it."""
     ap = argparse.ArgumentParser(prog="python -m pcourse.bench comm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=jobs.whole(2, 1024), nargs="+", default=None,
+    ap.add_argument("--ranks", type=jobs.whole(1, 1024), nargs="+", default=None,
                     help="rank counts (default: 2 4; quick: 2); one MPI job of the largest")
     ap.add_argument("--min-bytes", type=_size, default=None)
     ap.add_argument("--max-bytes", type=_size, default=None, help="default 64M (quick: 64K)")
