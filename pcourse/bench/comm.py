@@ -299,21 +299,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.error(f"{exc}\nNothing was started.")
     if note:
         print(note)
+    partial = args.out.with_suffix(".partial.csv")
+    partial.unlink(missing_ok=True)  # an earlier run's: not this one's
+
+    def keep(rows: list[dict]) -> None:
+        jobs.save(partial, lambda path: write_csv(path, add_rates(rows), FIELDS))
+
     try:
         outcome = jobs.launch("pcourse.bench.comm", argv, max(args.spec.ranks),
-                              timeout=args.timeout)
+                              timeout=args.timeout, partial=keep)
     except jobs.BenchError as exc:
         print(f"commbench: the benchmark job failed.\n{exc}", file=sys.stderr)
         if not exc.rows:
             print("No results written.", file=sys.stderr)
             return 1
-        partial = args.out.with_suffix(".partial.csv")
         done = add_rates(exc.rows)
         where = jobs.save(partial, lambda path: write_csv(path, done, FIELDS))
         print(f"the {len(exc.rows)} points measured before the failure are in {where}",
               file=sys.stderr)
         return 1
     report(add_rates(outcome.rows), args.out, args.plot)
+    partial.unlink(missing_ok=True)  # the whole run is in args.out now
     return 0
 
 

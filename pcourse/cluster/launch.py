@@ -109,6 +109,8 @@ def mpi_launcher(hostfile: str | os.PathLike[str] | None = None) -> Launcher:
 
 
 _contained: tuple[list[str], str] | None = None
+LAUNCHER_PID = "PCOURSE_LAUNCHER_PID"  # the ranks of a job not in a namespace watch it
+PRIVATE_SHM = "4g"  # at most, of memory, for a contained job's /dev/shm (MPICH's segments)
 
 
 def containment() -> tuple[list[str], str]:
@@ -117,8 +119,9 @@ def containment() -> tuple[list[str], str]:
     ``([...], "")`` where ``unshare`` can make one here (as root; as an ordinary user
     inside a user namespace of its own), else ``([], reason)``. Inside, the command
     and everything it starts see only each other: they cannot signal any process
-    outside, and when the command ends, or ``unshare`` itself is killed
-    (``--kill-child``), the kernel kills every process left in it.
+    outside, they share memory (``/dev/shm``) only among themselves, and when the
+    command ends, or ``unshare`` itself is killed (``--kill-child``), the kernel kills
+    every process left in it.
     Probed once per process.
     """
     global _contained
@@ -134,6 +137,10 @@ def _probe_containment() -> tuple[list[str], str]:
     prefix = [unshare, "--pid", "--fork", "--mount-proc", "--kill-child"]
     if os.geteuid() != 0:
         prefix[1:1] = ["--user", "--map-root-user"]
+    # A private /dev/shm: in a namespace of its own every mpiexec has the same pid, which
+    # names MPICH's shared-memory segment, so jobs side by side would share one.
+    prefix += ["sh", "-c", f'mount -t tmpfs -o size={PRIVATE_SHM},mode=1777 tmpfs /dev/shm '
+               '&& exec "$@"', "sh"]
     try:
         done = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -173,6 +180,7 @@ def mpirun(
     cwd: str | os.PathLike[str] | None = None,
     echo: Callable[[str], object] | None = None,
     hostfile: str | os.PathLike[str] | None = None,
+    contain: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python *args`` on n MPI ranks; return its completed process (text output).
 
@@ -181,6 +189,12 @@ def mpirun(
     (a long benchmark shows its progress), and the output is still returned.
     ``hostfile`` spreads the ranks over the nodes it lists (see :func:`mpi_launcher`);
     without it they run here, on loopback.
+
+    ``contain=True`` (a command line's job, here): the job dies with this process,
+    however it ends, SIGKILL included: ``mpiexec`` gets SIGKILL when its parent dies
+    (``setpriv --pdeathsig``), and in a PID namespace of its own (:func:`containment`)
+    its end is every rank's end. Without a namespace, the ranks of :mod:`pcourse.bench`
+    watch the launcher themselves (``$PCOURSE_LAUNCHER_PID``).
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be at least 1 rank, got {n!r}")
@@ -191,6 +205,12 @@ def mpirun(
     full_env.update(launcher.env)
     full_env.update(env or {})
     cmd = [*launcher.command, "-n", str(n), *launcher.wrap, sys.executable, *args]
+    if contain and hostfile is None:
+        prefix = containment()[0]
+        if not prefix:
+            full_env[LAUNCHER_PID] = str(os.getpid())
+        setpriv = shutil.which("setpriv")
+        cmd = [*([setpriv, "--pdeathsig", "KILL"] if setpriv else []), *prefix, *cmd]
     out, code = run_in_session(cmd, timeout=timeout, env=full_env, cwd=cwd, echo=echo)
     killed = _SIGNALED.findall(out or "")
     if code == 0 and killed:
@@ -274,18 +294,34 @@ def _collect(proc: subprocess.Popen, timeout: float, echo: Callable[[str], objec
 
 def mpirun_rows(
     n: int, args: Sequence[str], *, timeout: float = 300.0, env: dict[str, str] | None = None,
-    echo: Callable[[str], object] | None = None,
+    echo: Callable[[str], object] | None = None, contain: bool = False,
+    on_rows: Callable[[list[dict[str, Any]]], object] | None = None,
 ) -> tuple[list[dict[str, Any]], str]:
     """Run a job whose rank 0 calls :func:`report_rows`; return (its rows, its output).
 
     MPIJobError if the job fails, times out or ends without reporting; its ``rows``
     are what the job had reported before it failed (a job may report as it goes).
+    ``on_rows(rows)`` hears of each new report as it comes (after a line of output),
+    so the caller can keep them on disk; ``contain`` as in :func:`mpirun`.
     """
     with tempfile.TemporaryDirectory(prefix="pcourse-rows.") as tmp:
         path = Path(tmp) / "rows.json"
+        seen = [0.0]
+
+        def echoed(line: str) -> None:
+            if echo is not None:
+                echo(line)
+            try:
+                changed = path.stat().st_mtime_ns
+            except OSError:
+                return
+            if on_rows is not None and changed != seen[0]:
+                seen[0] = changed
+                on_rows(json.loads(path.read_text()))
+
         try:
             proc = mpirun(n, args, timeout=timeout, env={**(env or {}), ROWS_ENV: str(path)},
-                          echo=echo)
+                          echo=echoed if (echo or on_rows) else None, contain=contain)
         except MPIJobError as exc:
             exc.rows = json.loads(path.read_text()) if path.exists() else []
             raise
