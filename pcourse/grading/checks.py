@@ -5,7 +5,8 @@ that fails without saying why. So every check cell
 
 - runs the learner's function on the engines through :func:`run`, as the ranks of
   a world of a given size (:data:`SIZES`: 2, where left and right neighbours
-  coincide, and 3, where they do not), with a deadline and with the failing rank's
+  coincide, and 3, where they do not; under the grader also 4, where a rank's ring
+  neighbours no longer reach every other rank), with a deadline and with the failing rank's
   error as a short message instead of a wall of ipyparallel internals;
 - compares the result with a reference computed independently of the learner's
   code (MPI's own collectives, a single-process run, torch's own sampler);
@@ -43,6 +44,8 @@ from pcourse.grading import comm as _comm
 from pcourse.grading.comm import Call, CountingComm, DeadlockError  # noqa: F401 - re-exported
 
 SIZES = (2, 3)  # world sizes every check runs at: the engines a notebook starts
+GRADER_SIZES = (2, 3, 4)  # and under the grader, whose clusters have 4 engines: at 4 ranks
+#                           comparing each rank only with its ring neighbours misses pairs
 RUN_TIMEOUT = 20.0  # seconds for one trial on every rank: far more than a correct one needs
 ERROR_GRACE = 3.0  # seconds the other ranks get to finish once one rank has failed
 CLUSTER_ENV = "PCOURSE_GRADER_CLUSTER"  # set by the grader: its cluster's client file
@@ -92,8 +95,8 @@ def start_cluster(n: int = max(SIZES)) -> Any:
     import ipyparallel as ipp
 
     client = ipp.Client(where)
-    client.wait_for_engines(n, timeout=60, interactive=False)
-    ids = sorted(client.ids)[:n]
+    client.wait_for_engines(max(n, max(GRADER_SIZES)), timeout=60, interactive=False)
+    ids = sorted(client.ids)  # all of them: the grader checks at more sizes than n
     view = client[ids]
     view.block = False
     view.use_cloudpickle().get(timeout=60)
@@ -380,12 +383,17 @@ def _learner_functions(args: Sequence[Any]) -> dict[str, Callable]:
     return found
 
 
-def at_sizes(check: Callable[[int], str | None], sizes: Sequence[int] = SIZES) -> str | None:
+def at_sizes(check: Callable[[int], str | None], sizes: Sequence[int] | None = None
+             ) -> str | None:
     """``check(p)`` for every world size p, stopping at the first problem.
+
+    The sizes are :data:`SIZES`, or :data:`GRADER_SIZES` under the grader.
 
     The problem says at which size it showed; an :class:`ExerciseError` (the code
     raised, or never finished) is a problem like any other.
     """
+    if sizes is None:
+        sizes = GRADER_SIZES if os.environ.get(CLUSTER_ENV) else SIZES
     for p in sizes:
         try:
             problem = check(p)

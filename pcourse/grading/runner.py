@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-ENGINES = 3  # per worker: the checks run at 2 and 3 ranks
+ENGINES = 4  # per worker: the checks run at 2, 3 and 4 ranks (checks.GRADER_SIZES)
 START_ALLOWANCE = 180.0  # seconds a worker may spend (re)starting its cluster
 RUN_MARK = "PCOURSE_GRADE_RUN"  # every process of one grading run carries it
 WORKER_MARK = "PCOURSE_GRADE_WORKER"  # and every process of one worker this one

@@ -457,6 +457,15 @@ WRONG: dict[str, dict[str, Wrong]] = {
             for t in model.parameters():
                 comm.Bcast(t.detach().numpy(), root=root)""", RIGHT], "running_mean",
                                                     saved("PASS")),
+        "max_spread compares each rank only with its ring neighbour": Wrong("size", [RIGHT, """
+            spread = 0.0
+            for t in [*model.parameters(), *model.buffers()]:
+                mine = t.detach().numpy().astype(np.float64)
+                left = np.empty_like(mine)
+                comm.Sendrecv(mine, dest=(comm.rank + 1) % comm.size, recvbuf=left,
+                              source=(comm.rank - 1) % comm.size)
+                spread = max(spread, float(np.abs(mine - left).max()))
+            return comm.allreduce(spread, op=MPI.MAX)"""], "at 4 ranks"),
         "per_rank replaced in the learner's cell": Wrong(
             "tampered", [UNSOLVED, UNSOLVED], "rebinds `per_rank`",
             learner_adds("def per_rank(results, test):\n    return None")),
