@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS, EXERCISES = REPO / "solutions", REPO / "exercises"
 NAMES = sorted(p.stem for p in SOLUTIONS.glob("*.ipynb"))
 CLASS_TIMEOUT = 60  # seconds per notebook in the class below; the hang uses all of it
+PLANTED = (SOLUTIONS / "zz_planted.txt", REPO / "pcourse" / "grading" / "zz_planted.txt")
 
 _spec = importlib.util.spec_from_file_location("wrong_answers", REPO / "tests/grading/wrong.py")
 wrong = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
@@ -130,6 +131,9 @@ def _class(folder: Path) -> None:
         killer = _solved(NAMES[0])
         wrong.learner_adds(wrong.KILL_EVERYTHING)(killer, None)
         _write(killer, folder / "killer" / f"{NAMES[0]}.ipynb")
+        planter = _solved(NAMES[1])  # writes into solutions/ and the course's references
+        wrong.learner_adds(wrong.plant(*map(str, PLANTED)))(planter, None)
+        _write(planter, folder / "planter" / f"{NAMES[1]}.ipynb")
 
 
 @pytest.fixture(scope="module")
@@ -482,6 +486,21 @@ def test_broken_notebooks_get_rows_of_their_own_and_the_rest_is_graded(graded):
     assert row[NAMES[4]].passed == 0 and "died" in row[NAMES[4]].first_failure
     assert row[NAMES[5]].passed == 0 and "died" in row[NAMES[5]].first_failure
     assert row[NAMES[6]].ok, row[NAMES[6]]  # graded after all that, on a fresh cluster
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(3000)
+def test_a_learner_cannot_write_into_the_solutions_or_the_course(graded):
+    if ("planter", NAMES[1]) not in graded:
+        pytest.skip(f"no namespaces here: {launch.containment()[1]}")
+    g = graded[("planter", NAMES[1])]
+    try:
+        assert not any(p.exists() for p in PLANTED), "the learner's code wrote into the course"
+    finally:
+        for p in PLANTED:
+            p.unlink(missing_ok=True)
+    assert g.passed == 0 and "Read-only file system" in g.first_failure, g
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -279,6 +279,7 @@ def start_cluster(
     slurm: Slurm | None = None,
     oversubscribe: bool = False,
     contain: bool = False,
+    hide: Sequence[str] = (),
 ) -> MPICluster:
     """Start ``n`` engines, the ranks of one MPI job, and return them ready to use.
 
@@ -296,10 +297,11 @@ def start_cluster(
     - ``slurm`` (:class:`Slurm`; by default from ``$PCOURSE_SLURM``): as one Slurm job;
       the controller runs here, listening on every interface.
 
-    ``contain=True`` (the grader's) runs the MPI job in a PID namespace of its own
-    where this machine allows one (:func:`~pcourse.cluster.launch.containment`):
-    the engines cannot signal any process outside their job, and nothing they
-    start outlives it.
+    ``contain=True`` (the grader's) runs the MPI job in namespaces of its own where
+    this machine allows them (:func:`~pcourse.cluster.launch.containment`): the
+    engines cannot signal any process outside their job, nothing they start
+    outlives it, they write only to a private ``/tmp`` (which holds the cluster's
+    own folder) and ``/dev/shm``, and each path of ``hide`` is an empty folder to them.
     """
     slurm = Slurm.from_env() if slurm is None and hostfile is None else slurm
     if slurm is not None and hostfile is not None:
@@ -322,8 +324,8 @@ def start_cluster(
         cluster = _make_slurm_cluster(n, folder, env or {}, slurm)
     else:
         if contain and here:
-            launcher = dataclasses.replace(launcher, command=[*containment()[0],
-                                                              *launcher.command])
+            prefix = containment(str(folder), tuple(map(str, hide)))[0]
+            launcher = dataclasses.replace(launcher, command=[*prefix, *launcher.command])
         cluster = _make_cluster(n, folder, launcher, env or {}, hostfile)
     progress = Bar(n, desc="engines", unit="engine")
     progress.update(0)

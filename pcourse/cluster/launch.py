@@ -108,46 +108,83 @@ def mpi_launcher(hostfile: str | os.PathLike[str] | None = None) -> Launcher:
     return Launcher([mpiexec], env)
 
 
-_contained: tuple[list[str], str] | None = None
+_contained: dict[tuple[str, ...], tuple[list[str], str]] = {}
 LAUNCHER_PID = "PCOURSE_LAUNCHER_PID"  # the ranks of a job not in a namespace watch it
 PRIVATE_SHM = "4g"  # at most, of memory, for a contained job's /dev/shm (MPICH's segments)
+PRIVATE_TMP = "1g"  # at most, for its /tmp: the only other place it may write
+
+# Run inside the new namespaces, before the command: every mount read-only, a private
+# /dev/shm and /tmp (size-limited tmpfs) as the only writable places, the folder named
+# by $1 (the cluster's own) kept in the new /tmp, and each further argument up to "--"
+# hidden under an empty read-only folder (a file: under /dev/null). Then the check that it worked, and the command.
+_ISOLATE = r"""
+set -e
+keep="$1"; shift
+hide=""
+while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do hide="$hide
+$1"; shift; done
+shift
+awk '{print $2}' /proc/self/mounts | sort -u | while read -r m; do
+  case "$m" in /proc|/proc/*) continue;; esac
+  mount -n -o remount,bind,ro "$m" 2>/dev/null || true
+done
+mount -n -t tmpfs -o size=@SHM@,mode=1777 tmpfs /dev/shm
+if [ -n "$keep" ]; then
+  mkdir /dev/shm/.keep && mount -n --bind "$keep" /dev/shm/.keep
+  mount -n -o remount,bind,rw /dev/shm/.keep
+fi
+mount -n -t tmpfs -o size=@TMP@,mode=1777 tmpfs /tmp
+if [ -n "$keep" ]; then mkdir -p "$keep" && mount -n --move /dev/shm/.keep "$keep"; fi
+echo "$hide" | while read -r h; do
+  if [ -d "$h" ]; then mount -n -t tmpfs -o size=4k,mode=0555,ro tmpfs "$h"
+  elif [ -e "$h" ]; then mount -n --bind /dev/null "$h"; fi
+done
+if touch /.pcourse-isolation-probe 2>/dev/null; then
+  rm -f /.pcourse-isolation-probe; echo "pcourse: / stayed writable" >&2; exit 97
+fi
+exec "$@"
+""".replace("@SHM@", PRIVATE_SHM).replace("@TMP@", PRIVATE_TMP)
 
 
-def containment() -> tuple[list[str], str]:
-    """A prefix that runs a command in a PID namespace of its own, and why not if none.
+def containment(keep: str = "", hide: Sequence[str] = ()) -> tuple[list[str], str]:
+    """A prefix that runs a command isolated in namespaces of its own; why not, if none.
 
-    ``([...], "")`` where ``unshare`` can make one here (as root; as an ordinary user
+    ``([...], "")`` where ``unshare`` can make them here (as root; as an ordinary user
     inside a user namespace of its own), else ``([], reason)``. Inside, the command
-    and everything it starts see only each other: they cannot signal any process
-    outside, they share memory (``/dev/shm``) only among themselves, and when the
-    command ends, or ``unshare`` itself is killed (``--kill-child``), the kernel kills
-    every process left in it.
-    Probed once per process.
+    and everything it starts
+
+    - see and signal only each other (a PID namespace), and die together when the
+      command ends or ``unshare`` itself is killed (``--kill-child``);
+    - see every file read-only, except a private ``/dev/shm`` and ``/tmp`` (tmpfs of
+      a bounded size, gone with them) and the folder ``keep``, kept in that ``/tmp``;
+    - find each path of ``hide`` an empty folder (a mount namespace).
+
+    Not bounded: memory and the number of processes (that needs cgroups), and the
+    network (the engines must reach their controller on this machine's loopback).
+    Probed once per process and arguments.
     """
-    global _contained
-    if _contained is None:
-        _contained = _probe_containment()
-    return _contained
+    key = (keep, *hide)
+    if key not in _contained:
+        _contained[key] = _probe_containment(keep, hide)
+    return _contained[key]
 
 
-def _probe_containment() -> tuple[list[str], str]:
+def _probe_containment(keep: str, hide: Sequence[str]) -> tuple[list[str], str]:
     unshare = shutil.which("unshare")
     if unshare is None:
         return [], "no `unshare` command (util-linux) on this machine"
-    prefix = [unshare, "--pid", "--fork", "--mount-proc", "--kill-child"]
+    prefix = [unshare, "--pid", "--fork", "--mount", "--mount-proc", "--kill-child"]
     if os.geteuid() != 0:
         prefix[1:1] = ["--user", "--map-root-user"]
-    # A private /dev/shm: in a namespace of its own every mpiexec has the same pid, which
-    # names MPICH's shared-memory segment, so jobs side by side would share one.
-    prefix += ["sh", "-c", f'mount -t tmpfs -o size={PRIVATE_SHM},mode=1777 tmpfs /dev/shm '
-               '&& exec "$@"', "sh"]
+    prefix += ["sh", "-c", _ISOLATE, "sh", keep, *hide, "--"]
+    probe = [*prefix, "sh", "-c", 'test -z "$1" || test -w "$1"', "sh", keep]
     try:
-        done = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=10)
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return [], f"`unshare` failed: {exc}"
     if done.returncode != 0:
         why = (done.stderr.strip().splitlines() or ["no reason given"])[-1]
-        return [], f"this machine refuses a PID namespace ({why})"
+        return [], f"this machine refuses the namespaces ({why})"
     return prefix, ""
 
 

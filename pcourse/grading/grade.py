@@ -50,7 +50,7 @@ import nbformat
 
 from pcourse.bench.jobs import BenchError, check_writable, save
 from pcourse.grading import submission
-from pcourse.grading.runner import Executed, Job, run_jobs
+from pcourse.grading.runner import HIDE_ENV, Executed, Job, run_jobs
 from pcourse.utils.io import write_csv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -193,8 +193,34 @@ def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIM
         _judge(grades[k], runnables[k], executed, timeout)
         progress(grades[k])
 
-    run_jobs(todo, workers=jobs, on_result=judged)
+    previous = os.environ.get(HIDE_ENV)
+    os.environ[HIDE_ENV] = os.pathsep.join(map(str, _hidden_from_engines(solutions, notebooks)))
+    try:
+        run_jobs(todo, workers=jobs, on_result=judged)
+    finally:
+        if previous is None:
+            os.environ.pop(HIDE_ENV, None)
+        else:
+            os.environ[HIDE_ENV] = previous
     return grades
+
+
+def _hidden_from_engines(solutions: Path, notebooks: list[Path]) -> list[Path]:
+    """What the learner's code must not read: solutions, tests, git history, submissions.
+
+    The folders the notebooks are in, and their parents (a class: every learner's).
+    """
+    found = {Path(solutions).resolve(), REPO / "tests", REPO / ".git"}
+    git = REPO / ".git"
+    if git.is_file():  # a worktree: its history is in the main checkout's .git
+        pointer = git.read_text().partition("gitdir:")[2].strip()
+        if pointer:
+            found.add(Path(pointer).resolve().parents[1])
+    for path in map(Path, notebooks):
+        found |= {path.resolve().parent, path.resolve().parent.parent}
+    needed = [REPO / "pcourse", Path(sys.prefix).resolve()]  # what the engines import
+    return sorted(p for p in found if p.exists()
+                  and not any(n == p or n.is_relative_to(p) for n in needed))
 
 
 def _isolation_notes() -> list[str]:

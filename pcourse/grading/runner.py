@@ -37,6 +37,7 @@ ENGINES = 4  # per worker: the checks run at 2, 3 and 4 ranks (checks.GRADER_SIZ
 START_ALLOWANCE = 180.0  # seconds a worker may spend (re)starting its cluster
 RUN_MARK = "PCOURSE_GRADE_RUN"  # every process of one grading run carries it
 WORKER_MARK = "PCOURSE_GRADE_WORKER"  # and every process of one worker this one
+HIDE_ENV = "PCOURSE_GRADER_HIDE"  # paths the engines must not see (os.pathsep between)
 
 
 @dataclass
@@ -85,7 +86,8 @@ def _ready(mc: Any, engines: int, where: Path) -> Any:
         _discard(mc)
         mc = None
     if mc is None:
-        mc = start_cluster(engines, contain=True)
+        hidden = [h for h in os.environ.get(HIDE_ENV, "").split(os.pathsep) if h]
+        mc = start_cluster(engines, contain=True, hide=hidden)
         c = mc.cluster
         source = Path(c.profile_dir) / "security" / f"ipcontroller-{c.cluster_id}-client.json"
         with atomic_write(where) as f:

@@ -164,6 +164,15 @@ for _pid in [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getp
         pass
 os.kill(os.getpid(), 9)
 """
+
+
+def plant(*targets: str) -> str:
+    """Top-level code that writes a file at each target: a solution, a reference, for the next."""
+    return (f"import os\nfor _target in {list(targets)!r}:\n"
+            "    _fd = os.open(_target, os.O_WRONLY | os.O_CREAT, 0o644)\n"
+            "    os.write(_fd, b'planted')\n    os.close(_fd)\n")
+
+
 SMUGGLED_RESULT = f"""
 class Forged:
     def __reduce__(self):
