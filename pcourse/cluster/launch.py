@@ -116,7 +116,8 @@ PRIVATE_TMP = "1g"  # at most, for its /tmp: the only other place it may write
 # Run inside the new namespaces, before the command: every mount read-only, a private
 # /dev/shm and /tmp (size-limited tmpfs) as the only writable places, the folder named
 # by $1 (the cluster's own) kept in the new /tmp, and each further argument up to "--"
-# hidden under an empty read-only folder (a file: under /dev/null). Then the check that it worked, and the command.
+# hidden under an empty read-only folder (a file: under /dev/null). Then the check that
+# it worked, and the command.
 _ISOLATE = r"""
 set -e
 keep="$1"; shift
@@ -146,7 +147,13 @@ exec "$@"
 """.replace("@SHM@", PRIVATE_SHM).replace("@TMP@", PRIVATE_TMP)
 
 
-def containment(keep: str = "", hide: Sequence[str] = ()) -> tuple[list[str], str]:
+# Only a private /dev/shm (a benchmark's job: its files are the user's to write).
+_SHM_ONLY = 'mount -n -t tmpfs -o size=@SHM@,mode=1777 tmpfs /dev/shm && exec "$@"'.replace(
+    "@SHM@", PRIVATE_SHM)
+
+
+def containment(keep: str = "", hide: Sequence[str] = (), files: bool = True
+                ) -> tuple[list[str], str]:
     """A prefix that runs a command isolated in namespaces of its own; why not, if none.
 
     ``([...], "")`` where ``unshare`` can make them here (as root; as an ordinary user
@@ -159,24 +166,29 @@ def containment(keep: str = "", hide: Sequence[str] = ()) -> tuple[list[str], st
       a bounded size, gone with them) and the folder ``keep``, kept in that ``/tmp``;
     - find each path of ``hide`` an empty folder (a mount namespace).
 
+    ``files=False`` leaves the files alone (all but ``/dev/shm``, which stays private:
+    in a namespace of its own every ``mpiexec`` has the same pid, which names MPICH's
+    shared-memory segment, so jobs side by side would otherwise share one).
+
     Not bounded: memory and the number of processes (that needs cgroups), and the
     network (the engines must reach their controller on this machine's loopback).
     Probed once per process and arguments.
     """
-    key = (keep, *hide)
+    key = (files, keep, *hide)
     if key not in _contained:
-        _contained[key] = _probe_containment(keep, hide)
+        _contained[key] = _probe_containment(keep, hide, files)
     return _contained[key]
 
 
-def _probe_containment(keep: str, hide: Sequence[str]) -> tuple[list[str], str]:
+def _probe_containment(keep: str, hide: Sequence[str], files: bool) -> tuple[list[str], str]:
     unshare = shutil.which("unshare")
     if unshare is None:
         return [], "no `unshare` command (util-linux) on this machine"
     prefix = [unshare, "--pid", "--fork", "--mount", "--mount-proc", "--kill-child"]
     if os.geteuid() != 0:
         prefix[1:1] = ["--user", "--map-root-user"]
-    prefix += ["sh", "-c", _ISOLATE, "sh", keep, *hide, "--"]
+    prefix += ["sh", "-c", _ISOLATE, "sh", keep, *hide, "--"] if files else \
+        ["sh", "-c", _SHM_ONLY, "sh"]
     probe = [*prefix, "sh", "-c", 'test -z "$1" || test -w "$1"', "sh", keep]
     try:
         done = subprocess.run(probe, capture_output=True, text=True, timeout=20)
@@ -243,7 +255,7 @@ def mpirun(
     full_env.update(env or {})
     cmd = [*launcher.command, "-n", str(n), *launcher.wrap, sys.executable, *args]
     if contain and hostfile is None:
-        prefix = containment()[0]
+        prefix = containment(files=False)[0]
         if not prefix:
             full_env[LAUNCHER_PID] = str(os.getpid())
         setpriv = shutil.which("setpriv")

@@ -56,7 +56,7 @@ from pcourse.utils.io import write_csv
 REPO = Path(__file__).resolve().parents[2]
 SOLUTIONS = REPO / "solutions"
 NOTEBOOK_TIMEOUT = 240.0  # seconds per notebook, kernel start included; a setting, not a measure
-JOBS = max(1, (os.cpu_count() or 2) // 2)  # workers: one per two cores (a kernel, 3 engines)
+JOBS = max(1, (os.cpu_count() or 2) // 2)  # workers: one per two cores (a kernel, 4 engines)
 EXCEPTION = re.compile(r"raised ([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))")
 
 
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"seconds per notebook (default {NOTEBOOK_TIMEOUT:g})")
     parser.add_argument("-j", "--jobs", type=int, default=JOBS,
                         help="notebooks graded at the same time, each worker with its own "
-                             f"kernel and 3 engines (default {JOBS}: one per two cores)")
+                             f"kernel and 4 engines (default {JOBS}: one per two cores)")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
