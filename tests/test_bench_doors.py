@@ -191,6 +191,22 @@ def test_bad_arguments_are_refused_before_any_rank_starts(tmp_path, capsys, monk
         (["comm", "--out", str(a_file / "c.csv")], "is a file"),
         (["steps", "--ranks", too_many, "--out", str(tmp_path / "s.csv")], "oversubscribe"),
         (["steps", "--out", str(tmp_path)], "is a folder"),
+        # values that cannot work, named as they are read (argparse types)
+        (["franke", "--points", "10**12", "--out", str(tmp_path)],
+         "argument --points: '10**12' is not a whole number"),
+        (["franke", "--points", str(10**12), "--out", str(tmp_path)], "is too large"),
+        (["franke", "--timeout", "-5", "--out", str(tmp_path)],
+         "argument --timeout: -5 seconds"),
+        (["franke", "--quick", "--batch-size", "4096", "--out", str(tmp_path)],
+         "--batch-size 4096: a step at 1 rank(s) would take 4096 samples, more than the 512"),
+        (["comm", "--max-bytes", "1024G", "--out", str(tmp_path / "c.csv")],
+         "argument --max-bytes: 1024G is"),
+        (["comm", "--timeout", "-1", "--out", str(tmp_path / "c.csv")],
+         "argument --timeout: -1 seconds"),
+        (["steps", "--steps", "-1", "--out", str(tmp_path / "s.csv")],
+         "argument --steps: -1 is too small"),
+        (["steps", "--ranks", "-4", "--out", str(tmp_path / "s.csv")],
+         "argument --ranks: -4 is too small"),
     ]:
         _refused(capsys, argv, says)
     assert no_rank_may_start == []

@@ -181,3 +181,57 @@ def test_engines_started_as_a_slurm_job_are_one_mpi_job(tmp_path, monkeypatch):
         stop_cluster()
     assert (tmp_path / "cancelled").read_text().split() == ["4242"]  # the job was cancelled
     assert not mc.folder.exists() and not cluster_processes()
+
+
+def test_a_contained_job_reaches_nothing_outside_and_leaves_nothing_behind():
+    """The grader's engines run in a PID namespace: no signal out, no survivor after."""
+    import subprocess
+    import sys
+    import uuid
+
+    prefix, why = launch.containment()
+    if not prefix:
+        pytest.skip(f"no PID namespace here: {why}")
+    mark = uuid.uuid4().hex
+    reach = subprocess.run(
+        [*prefix, sys.executable, "-c", f"import os; os.kill({os.getpid()}, 0)"],
+        capture_output=True, text=True, timeout=30)
+    assert reach.returncode != 0 and "ProcessLookupError" in reach.stderr, reach
+    left = subprocess.run(  # a daemon in a session of its own, then the job ends
+        [*prefix, "sh", "-c", "setsid sleep 300 </dev/null >/dev/null 2>&1 & exit 0"],
+        env={**os.environ, "PCOURSE_TEST_MARK": mark}, timeout=30)
+    assert left.returncode == 0
+    survivors = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("PCOURSE_TEST_MARK") == mark:
+                survivors.append(proc)
+        except psutil.Error:
+            continue
+    psutil.wait_procs(survivors, timeout=5)  # the namespace's teardown is asynchronous
+    assert not [p for p in survivors if p.is_running()], survivors
+
+
+def test_a_contained_job_writes_only_its_scratch_and_sees_nothing_hidden(tmp_path):
+    """Everything read-only but a private /tmp (with the folder kept) and /dev/shm."""
+    import subprocess
+
+    keep, secret, elsewhere = tmp_path / "keep", tmp_path / "secret", tmp_path / "else"
+    for folder in (keep, secret, elsewhere):
+        folder.mkdir()
+    (secret / "answer.txt").write_text("42")
+    prefix, why = launch.containment(str(keep), (str(secret),))
+    if not prefix:
+        pytest.skip(f"no namespaces here: {why}")
+    script = (f"touch {keep}/mine && ls -A {secret} | wc -l && ls -A /tmp && "
+              f"! touch {elsewhere}/theirs 2>/dev/null && ! touch {launch.__file__}x 2>/dev/null "
+              "&& touch /tmp/scratch /dev/shm/scratch && echo ok")
+    done = subprocess.run([*prefix, "sh", "-c", script], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split()
+    assert lines[0] == "0" and lines[-1] == "ok", done.stdout  # the secret's folder is empty
+    under = keep.relative_to("/tmp").parts[:1] if keep.is_relative_to("/tmp") else ()
+    assert lines[1:-1] == list(under)  # /tmp holds only the way to the kept folder
+    assert (keep / "mine").exists() and not (elsewhere / "theirs").exists()
+    assert (secret / "answer.txt").read_text() == "42"  # hidden, not harmed

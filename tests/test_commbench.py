@@ -80,7 +80,10 @@ def test_busbw_uses_the_nccl_tests_factor() -> None:
 
 @pytest.mark.parametrize("bad, message", [
     (["--ranks", "1"], "at least 2 ranks"),
-    (["--ranks", "2", "--max-bytes", "2"], "--min-bytes <= --max-bytes"),
+    (["--ranks", "2", "--min-bytes", "8K", "--max-bytes", "4K"], "--min-bytes <= --max-bytes"),
+    (["--max-bytes", "2"], "between 4 bytes"),
+    (["--max-bytes", "1024G"], "1024G is 1,099,511,627,776 bytes"),
+    (["--timeout", "-1"], "argument --timeout: -1 seconds"),
     (["--max-bytes", "lots"], "not a size in bytes"),
     (["--methods", "carrier-pigeon"], "invalid choice"),
 ])

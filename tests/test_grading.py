@@ -23,6 +23,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from pcourse.cluster import launch
 from pcourse.grading import exercises as ex
 from pcourse.grading import runner, submission
 from pcourse.grading.grade import (
@@ -40,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS, EXERCISES = REPO / "solutions", REPO / "exercises"
 NAMES = sorted(p.stem for p in SOLUTIONS.glob("*.ipynb"))
 CLASS_TIMEOUT = 60  # seconds per notebook in the class below; the hang uses all of it
+PLANTED = (SOLUTIONS / "zz_planted.txt", REPO / "pcourse" / "grading" / "zz_planted.txt")
 
 _spec = importlib.util.spec_from_file_location("wrong_answers", REPO / "tests/grading/wrong.py")
 wrong = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
@@ -125,6 +127,13 @@ def _class(folder: Path) -> None:
     kill = _solved(NAMES[5], ["import os\nos._exit(3)"])  # on the engines: MPI job dies
     _write(kill, broken / f"{NAMES[5]}.ipynb")
     _write(_solved(NAMES[6]), broken / f"{NAMES[6]}.ipynb")
+    if launch.containment()[0]:  # without a namespace it would kill the grader's workers
+        killer = _solved(NAMES[0])
+        wrong.learner_adds(wrong.KILL_EVERYTHING)(killer, None)
+        _write(killer, folder / "killer" / f"{NAMES[0]}.ipynb")
+        planter = _solved(NAMES[1])  # writes into solutions/ and the course's references
+        wrong.learner_adds(wrong.plant(*map(str, PLANTED)))(planter, None)
+        _write(planter, folder / "planter" / f"{NAMES[1]}.ipynb")
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +279,44 @@ def test_the_runnable_notebook_takes_only_the_learners_cells_from_the_file():
     assert run.notes == [f"cell {nb.cells.index(wrong._checks(nb)[0])} edited; graded with the "
                          "course's own"]
     mine = [c.source for c in nb.cells if "exercise" in c.metadata.get("tags", [])]
-    assert [run.notebook.cells[i].source for i in run.learner] == mine
+    cells = [run.notebook.cells[i] for i in run.learner]
+    assert [c.metadata[submission.LEARNER_SOURCE] for c in cells] == mine
+    # ... and they run on the engines only: the kernel that prints verdicts gets stand-ins
+    assert all(c.source.splitlines()[-1].startswith("_pcourse_checks.define(mc, ")
+               for c in cells)
+
+
+def test_what_the_engines_send_back_is_read_as_data_only():
+    """A result whose rebuilding would run code (a forged verdict) arrives as Refused."""
+    import pickle
+
+    import numpy as np
+    import torch
+
+    from pcourse.grading import checks
+    from pcourse.grading.comm import Call
+
+    data = {"grads": [torch.arange(6.0).reshape(2, 3), None], "x": np.ones(3, np.float32),
+            "calls": [Call("Sendrecv", 4, 1)], "n": np.int64(3), "dtype": torch.float64,
+            "where": ("127.0.0.1", 1234), "size": torch.Size([2, 3])}
+    back = checks.safe_loads(pickle.dumps(data))
+    assert torch.equal(back["grads"][0], data["grads"][0]) and back["grads"][1] is None
+    assert np.array_equal(back["x"], data["x"]) and back["calls"] == data["calls"]
+    assert back["n"] == 3 and back["dtype"] is torch.float64 and back["where"] == data["where"]
+    assert checks._refusals(back) is None
+
+    class Forged:
+        def __reduce__(self):
+            return (pickle.loads, (wrong.FORGE_PICKLE,))
+
+    import builtins
+    printing = builtins.print
+    back = checks.safe_loads(pickle.dumps({"where": (Forged(), 1)}))
+    assert builtins.print is printing  # nothing ran
+    assert isinstance(back["where"][0], checks.Refused)
+    assert checks._refusals(back) == "_pickle.loads"
+    forged_exec = checks.safe_loads(wrong.FORGE_PICKLE)
+    assert isinstance(forged_exec, checks.Refused) and builtins.print is printing
 
 
 SETUP = "import numpy as np\nfrom mpi4py import MPI\nfrom pcourse.grading.checks import run\n" \
@@ -334,6 +380,26 @@ def test_the_command_line_grades_a_class_and_writes_the_gradebook(tmp_path, caps
         book = {r["learner"]: r for r in csv.DictReader(f)}
     assert set(book) == {"ann", "bob"} and book["ann"]["checks_passed"] == "0"
     assert not list((tmp_path / "out").glob(".*"))  # written atomically: no temporary left
+
+
+def test_rows_are_on_disk_as_soon_as_they_are_decided(tmp_path):
+    """A grader that dies halfway leaves every finished row in grades.partial.csv."""
+    from pcourse.grading.grade import RowLog
+
+    tampered = _solved(NAMES[1])
+    wrong.drop_check(0)(tampered, None)  # rejected unrun: no engines needed
+    _write(tampered, tmp_path / "ann" / f"{NAMES[1]}.ipynb")
+    log = RowLog(tmp_path / "grades.partial.csv")
+    seen = []
+    rows = grade_class(tmp_path, progress=lambda g: (log(g), seen.append(
+        len(list(csv.DictReader(open(log.path)))))))
+    assert seen == list(range(1, len(NAMES) + 1))  # each row written before the next
+    with open(log.path) as f:
+        partial = list(csv.DictReader(f))
+    assert {(r["learner"], r["exercise"], r["status"]) for r in partial} == {
+        (g.learner, g.exercise, g.status) for g in rows}
+    log.done()
+    assert not log.path.exists()
 
 
 def test_both_modes_find_a_learners_notebook_by_the_same_names(tmp_path, capsys):
@@ -414,10 +480,41 @@ def test_broken_notebooks_get_rows_of_their_own_and_the_rest_is_graded(graded):
     assert row[NAMES[0]].status == "invalid" and "JSON" in row[NAMES[0]].first_failure
     assert row[NAMES[1]].status == "renamed" and "(1).ipynb" in row[NAMES[1]].first_failure
     assert row[NAMES[2]].status == "missing"
-    assert row[NAMES[3]].status == "timeout" and "your code" in row[NAMES[3]].first_failure
-    assert row[NAMES[4]].status == "crashed" and "kernel died" in row[NAMES[4]].first_failure
+    # a learner's cell runs on the engines only: a hang or an exit there is the engines'
+    assert row[NAMES[3]].passed == 0 and "your code" in row[NAMES[3]].first_failure
+    assert "did not finish" in row[NAMES[3]].first_failure
+    assert row[NAMES[4]].passed == 0 and "died" in row[NAMES[4]].first_failure
     assert row[NAMES[5]].passed == 0 and "died" in row[NAMES[5]].first_failure
     assert row[NAMES[6]].ok, row[NAMES[6]]  # graded after all that, on a fresh cluster
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(3000)
+def test_a_learner_cannot_write_into_the_solutions_or_the_course(graded):
+    if ("planter", NAMES[1]) not in graded:
+        pytest.skip(f"no namespaces here: {launch.containment()[1]}")
+    g = graded[("planter", NAMES[1])]
+    try:
+        assert not any(p.exists() for p in PLANTED), "the learner's code wrote into the course"
+    finally:
+        for p in PLANTED:
+            p.unlink(missing_ok=True)
+    assert g.passed == 0 and "Read-only file system" in g.first_failure, g
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(3000)
+def test_a_learner_who_kills_everything_it_can_reach_hurts_only_itself(graded):
+    if ("killer", NAMES[0]) not in graded:
+        pytest.skip(f"no PID namespace here: {launch.containment()[1]}")
+    g = graded[("killer", NAMES[0])]
+    assert g.status != "error" and g.passed == 0, g  # its own row, its own failure
+    assert "died" in g.first_failure or "did not finish" in g.first_failure, g
+    others = [h for key, h in graded.items()
+              if isinstance(key, tuple) and key[0] in ("solved", "shipped")]
+    assert all(h.status == "graded" for h in others), others
 
 
 @pytest.mark.slow

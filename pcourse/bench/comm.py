@@ -228,35 +228,44 @@ def run_on(view: Any, spec: CommSpec | None = None, *, progress: bool = True,
 # ---- front door 2: the command line ------------------------------------------------------
 
 
+MAX_BYTES = 1 << 30  # per message: each rank holds a few buffers of it, so 1 GiB is plenty
+
+
 def _size(text: str) -> int:
-    """'64M', '4K', '1024' -> bytes."""
+    """'64M', '4K', '1024' -> bytes, between 4 and :data:`MAX_BYTES`."""
     units = {"K": 1 << 10, "M": MiB, "G": 1 << 30}
     scale = units.get(text[-1:].upper(), 1)
     try:
-        return int(float(text[:-1] if scale > 1 else text) * scale)
-    except ValueError:
+        value = int(float(text[:-1] if scale > 1 else text) * scale)
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(
             f"not a size in bytes: {text!r} (e.g. 4096, 64M)") from None
+    if not 4 <= value <= MAX_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{text} is {value:,} bytes: a message size must be between 4 bytes (one float32) "
+            f"and {MAX_BYTES:,} (1G; each rank holds several buffers of it)")
+    return value
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line, with ``args.spec`` (a checked :class:`CommSpec`) built from it."""
     ap = argparse.ArgumentParser(prog="python -m pcourse.bench comm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, nargs="+", default=None,
+    ap.add_argument("--ranks", type=jobs.whole(1, 1024), nargs="+", default=None,
                     help="rank counts (default: 2 4; quick: 2); one MPI job of the largest")
     ap.add_argument("--min-bytes", type=_size, default=None)
     ap.add_argument("--max-bytes", type=_size, default=None, help="default 64M (quick: 64K)")
-    ap.add_argument("--factor", type=int, default=None, help="size step (default 2; quick: 4)")
+    ap.add_argument("--factor", type=jobs.whole(2), default=None,
+                    help="size step (default 2; quick: 4)")
     ap.add_argument("--methods", nargs="+", default=None, choices=METHODS)
-    ap.add_argument("--warmup", type=int, default=None, help="untimed calls per point")
-    ap.add_argument("--target-time", type=float, default=None,
+    ap.add_argument("--warmup", type=jobs.whole(0), default=None, help="untimed calls per point")
+    ap.add_argument("--target-time", type=jobs.seconds, default=None,
                     help="seconds of timed calls per (method, size); sets the iterations")
-    ap.add_argument("--min-iters", type=int, default=None)
-    ap.add_argument("--max-iters", type=int, default=None)
+    ap.add_argument("--min-iters", type=jobs.whole(1), default=None)
+    ap.add_argument("--max-iters", type=jobs.whole(1), default=None)
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: seconds, not minutes (CommSpec.smoke())")
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the MPI job")
+    ap.add_argument("--timeout", type=jobs.seconds, default=900.0, help="seconds for the MPI job")
     ap.add_argument("--oversubscribe", action="store_true",
                     help="run even with far more ranks than this machine has cores")
     ap.add_argument("--out", type=Path, default=Path("results/commbench.csv"))
@@ -292,21 +301,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.error(f"{exc}\nNothing was started.")
     if note:
         print(note)
+    partial = args.out.with_suffix(".partial.csv")
+    partial.unlink(missing_ok=True)  # an earlier run's: not this one's
+
+    def keep(rows: list[dict]) -> None:
+        jobs.save(partial, lambda path: write_csv(path, add_rates(rows), FIELDS))
+
     try:
         outcome = jobs.launch("pcourse.bench.comm", argv, max(args.spec.ranks),
-                              timeout=args.timeout)
+                              timeout=args.timeout, partial=keep)
     except jobs.BenchError as exc:
         print(f"commbench: the benchmark job failed.\n{exc}", file=sys.stderr)
         if not exc.rows:
             print("No results written.", file=sys.stderr)
             return 1
-        partial = args.out.with_suffix(".partial.csv")
         done = add_rates(exc.rows)
         where = jobs.save(partial, lambda path: write_csv(path, done, FIELDS))
         print(f"the {len(exc.rows)} points measured before the failure are in {where}",
               file=sys.stderr)
         return 1
     report(add_rates(outcome.rows), args.out, args.plot)
+    partial.unlink(missing_ok=True)  # the whole run is in args.out now
     return 0
 
 

@@ -272,6 +272,7 @@ def rank_main(measure: Callable, spec: Any,
     not return: the rank exits through :func:`leave`.
     """
     entered = time.time()
+    _leave_with_launcher()
     phases = {"start: mpiexec, Python, argument parsing":
               entered - float(os.environ.get(LAUNCHED_AT, entered))}
     clock = time.perf_counter()
@@ -294,9 +295,9 @@ def rank_main(measure: Callable, spec: Any,
 
     def send(progress: Progress, line: str) -> None:
         nonlocal handed
-        print(line, flush=True)
         progress.outcome.phases = {**phases, "reported_at": time.time()}
         handed = report_rows([dataclasses.asdict(progress.outcome)])
+        print(line, flush=True)  # after the rows: the launcher looks at them on each line
 
     progress = Progress(send if comm.rank == 0 else None)
     clock = time.perf_counter()
@@ -315,6 +316,33 @@ def rank_main(measure: Callable, spec: Any,
     leave(MPI)
 
 
+def _leave_with_launcher(poll: float = 0.5) -> None:
+    """Exit when the launcher that started this job is gone (killed, even with SIGKILL).
+
+    Only where the launcher asks for it (``$PCOURSE_LAUNCHER_PID``): a job in a PID
+    namespace of its own ends with its launcher without help.
+    """
+    import threading
+
+    from pcourse.cluster.launch import LAUNCHER_PID
+
+    pid = int(os.environ.get(LAUNCHER_PID, "0") or 0)
+    if pid <= 0:
+        return
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(137)  # nobody is left to read what this rank would report
+            except PermissionError:
+                pass
+
+    threading.Thread(target=watch, daemon=True, name="pcourse-launcher-watch").start()
+
+
 def leave(MPI: Any, code: int = 0) -> None:
     """End this rank now: flush, finalise MPI, exit without Python's orderly shutdown.
 
@@ -328,19 +356,31 @@ def leave(MPI: Any, code: int = 0) -> None:
 
 
 def launch(module: str, argv: Sequence[str], ranks: int, *, timeout: float,
-           env: dict[str, str] | None = None) -> Outcome:
+           env: dict[str, str] | None = None,
+           partial: Callable[[list[dict]], object] | None = None) -> Outcome:
     """Start ``python -m module *argv`` on ``ranks`` ranks; its rank 0's outcome.
 
     The job's lines are echoed as they come. Adds the phases only the launcher
     sees: the whole job, and the ranks' exit after their last report.
+    ``partial(rows)`` gets the rows measured so far whenever there are more, so a
+    launcher killed mid-job (even with SIGKILL) leaves them on disk; the job itself
+    dies with the launcher (``mpirun(contain=True)``): no rank is left behind.
     """
     from pcourse.cluster.launch import MPIJobError, mpirun_rows
 
     start = time.time()
     env = {**(env or {}), LAUNCHED_AT: repr(start)}
+    counted = [0]
+
+    def more(found: list[dict]) -> None:
+        rows = Outcome(**found[0]).rows if found else []
+        if partial is not None and len(rows) > counted[0]:
+            counted[0] = len(rows)
+            partial(rows)
+
     try:
         found, _ = mpirun_rows(ranks, ["-m", module, *argv], timeout=timeout,
-                               env=env, echo=print)
+                               env=env, echo=print, contain=True, on_rows=more)
     except MPIJobError as exc:
         partial = Outcome(**exc.rows[0]) if exc.rows else Outcome()
         said = str(exc).split(" Output tail:")[0]  # the output itself was echoed as it came
@@ -357,6 +397,50 @@ def launch(module: str, argv: Sequence[str], ranks: int, *, timeout: float,
 
 
 # ---- the command line's checks and results files --------------------------------------
+
+
+# ---- the command lines' argument types (argparse ``type=``): refused as they are read ----
+
+
+def whole(least: int = 1, most: int | None = None, what: str = "") -> Callable[[str], int]:
+    """An argparse type: a whole number in [least, most], or an error naming the value.
+
+    Refused while the command line is read, so nothing starts (no MPI job, no file)
+    on a value that cannot work; ``what`` says why there is an upper limit.
+    """
+    def parse(text: str) -> int:
+        try:
+            value = int(text.replace("_", ""))
+        except ValueError:
+            raise _bad(f"{text!r} is not a whole number (write it out: 1000000, not 10**6)"
+                       ) from None
+        if value < least:
+            raise _bad(f"{value} is too small: it must be at least {least}")
+        if most is not None and value > most:
+            raise _bad(f"{value:,} is too large: at most {most:,}{what}")
+        return value
+    parse.__name__ = "whole number"
+    return parse
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a time limit, in seconds, above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise _bad(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise _bad(f"{text} seconds: a time limit must be above 0 (e.g. 600)")
+    return value
+
+
+seconds.__name__ = "seconds"
+
+
+def _bad(message: str) -> Exception:
+    import argparse
+
+    return argparse.ArgumentTypeError(message)
 
 
 def check_ranks(counts: Sequence[int], oversubscribe: bool) -> str:

@@ -385,11 +385,9 @@ def plot(table: list[dict], title: str, path: str | Path | None = None) -> Any:
 # ---- front door 2: the command line ------------------------------------------------------
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+_positive = jobs.whole(1)
+MAX_POINTS = 10_000_000  # training points: a thousand times the source's, far past a laptop
+MAX_RANKS = 1024
 
 
 def parser() -> argparse.ArgumentParser:
@@ -397,15 +395,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("workload", choices=["franke", "mnist"],
                    help="(python -m pcourse.bench steps|comm: the other benchmarks)")
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(CPU_BACKENDS))
-    p.add_argument("--ranks", nargs="+", type=_positive, default=[1, 2, 4])
+    p.add_argument("--ranks", nargs="+", type=jobs.whole(1, MAX_RANKS), default=[1, 2, 4])
     p.add_argument("--repeats", type=_positive, default=3)
     p.add_argument("--epochs", type=_positive, help="default: the configuration's")
     p.add_argument("--scaling", choices=["strong", "weak"], help="franke: strong, mnist: weak")
     p.add_argument("--batch-size", type=_positive, help="global (strong) or per rank (weak)")
-    p.add_argument("--points", type=_positive, help="training samples (points, images)")
+    p.add_argument("--points", type=jobs.whole(1, MAX_POINTS, " (the source uses 10,000)"),
+                   help="training samples (points, images)")
     p.add_argument("--quick", action="store_true", help="small data, few epochs (tests, notebooks)")
     p.add_argument("--out", default="results", help="folder for the CSV and pictures")
-    p.add_argument("--timeout", type=float, default=600.0,
+    p.add_argument("--timeout", type=jobs.seconds, default=600.0,
                    help="seconds per run; the MPI job gets this times the number of runs")
     p.add_argument("--oversubscribe", action="store_true",
                    help="run even with far more ranks than this machine has cores")
@@ -446,7 +445,12 @@ def _check(spec: ScalingSpec, world: int | None = None) -> None:
     try:
         n = n_samples(spec)
         for ranks in spec.ranks:
-            batch_sizes(spec.config.scaling, spec.config.batch_size, ranks, n)
+            local, global_ = batch_sizes(spec.config.scaling, spec.config.batch_size, ranks, n)
+            if global_ > n:
+                raise ValueError(
+                    f"--batch-size {spec.config.batch_size}: a step at {ranks} rank(s) would "
+                    f"take {global_} samples, more than the {n} there are; use a batch of at "
+                    f"most {n if spec.config.scaling == 'strong' else n // ranks}")
     except (ValueError, RuntimeError, OSError) as exc:  # and MNISTError
         raise BenchError(str(exc)) from None
 
@@ -473,13 +477,18 @@ def main(argv: list[str] | None = None) -> int:
             inner_argv += ["--save-model", str(Path(tmp) / "model.pt")]
             spec = dataclasses.replace(spec, save_model=inner_argv[-1])
         before = time.perf_counter() - entered
+        partial = Path(args.out) / f"{args.workload}_{spec.config.scaling}.partial.csv"
+        partial.unlink(missing_ok=True)  # an earlier run's: not this one's
+
+        def keep(rows: list[dict]) -> None:
+            jobs.save(partial, lambda path: write_csv(path, rows, FIELDS))
+
         try:
             outcome = jobs.launch("pcourse.bench.scaling", inner_argv, max(args.ranks),
-                                  timeout=args.timeout * len(spec.plan()) + 120)
+                                  timeout=args.timeout * len(spec.plan()) + 120, partial=keep)
         except BenchError as exc:
             print(f"error: the benchmark job failed: {exc}", file=sys.stderr)
             if exc.rows:
-                partial = Path(args.out) / f"{args.workload}_{spec.config.scaling}.partial.csv"
                 done = exc.rows
                 where = jobs.save(partial, lambda path: write_csv(path, done, FIELDS))
                 print(f"the {len(exc.rows)} run(s) finished before the failure are in {where}",
@@ -487,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         outcome.phases["launcher: before the job"] = before
         report(args, spec, outcome)
+        partial.unlink(missing_ok=True)  # the whole run is in the CSV now
     return 0
 
 

@@ -449,18 +449,21 @@ def _without_missing_mnist(spec: StepSpec) -> StepSpec:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pcourse.bench steps",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", nargs="+", type=int, default=None, help="default: 2 4")
+    p.add_argument("--ranks", nargs="+", type=jobs.whole(1, 1024), default=None,
+                   help="default: 2 4")
     p.add_argument("--workloads", nargs="+", choices=["franke", "mnist"], default=None)
-    p.add_argument("--steps", type=int, default=None, help="timed steps per path and round")
-    p.add_argument("--rounds", type=int, default=None, help="turns each path takes")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps per path first")
+    p.add_argument("--steps", type=jobs.whole(1), default=None,
+                   help="timed steps per path and round")
+    p.add_argument("--rounds", type=jobs.whole(1), default=None, help="turns each path takes")
+    p.add_argument("--warmup", type=jobs.whole(0), default=None,
+                   help="untimed steps per path first")
     p.add_argument("--caps", nargs="+", type=_cap, default=None,
                    help="bucket caps to sweep, in bytes or with a unit (1, 64KiB, 25MiB); "
                         "1 puts every parameter in a bucket of its own; default: "
                         + " ".join(human(c).replace(" ", "") for c in FULL_CAPS))
     p.add_argument("--quick", action="store_true", help="2 ranks, few steps: a smoke test")
     p.add_argument("--out", default="results/steps.csv", help="the CSV to write")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds for the MPI job")
+    p.add_argument("--timeout", type=jobs.seconds, default=900.0, help="seconds for the MPI job")
     p.add_argument("--oversubscribe", action="store_true",
                    help="run even with far more ranks than this machine has cores")
     return p

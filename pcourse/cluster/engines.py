@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,14 @@ import ipyparallel as ipp
 from IPython.paths import get_ipython_dir
 
 from pcourse.cluster.interrupts import INTERRUPT_GRACE
-from pcourse.cluster.launch import Launcher, MPINotFound, find_mpiexec, max_engines, mpi_launcher
+from pcourse.cluster.launch import (
+    Launcher,
+    MPINotFound,
+    containment,
+    find_mpiexec,
+    max_engines,
+    mpi_launcher,
+)
 from pcourse.cluster.rankinfo import RankInfo, gpu_count
 from pcourse.cluster.reaper import (
     MARK,
@@ -286,6 +293,8 @@ def start_cluster(
     hostfile: str | os.PathLike[str] | None = None,
     slurm: Slurm | None = None,
     oversubscribe: bool = False,
+    contain: bool = False,
+    hide: Sequence[str] = (),
 ) -> MPICluster:
     """Start ``n`` engines, the ranks of one MPI job, and return them ready to use.
 
@@ -302,6 +311,12 @@ def start_cluster(
       ``mpiexec -f hostfile``; the controller then listens on every interface;
     - ``slurm`` (:class:`Slurm`; by default from ``$PCOURSE_SLURM``): as one Slurm job;
       the controller runs here, listening on every interface.
+
+    ``contain=True`` (the grader's) runs the MPI job in namespaces of its own where
+    this machine allows them (:func:`~pcourse.cluster.launch.containment`): the
+    engines cannot signal any process outside their job, nothing they start
+    outlives it, they write only to a private ``/tmp`` (which holds the cluster's
+    own folder) and ``/dev/shm``, and each path of ``hide`` is an empty folder to them.
     """
     slurm = Slurm.from_env() if slurm is None and hostfile is None else slurm
     if slurm is not None and hostfile is not None:
@@ -323,6 +338,9 @@ def start_cluster(
     if slurm:
         cluster = _make_slurm_cluster(n, folder, env or {}, slurm)
     else:
+        if contain and here:
+            prefix = containment(str(folder), tuple(map(str, hide)))[0]
+            launcher = dataclasses.replace(launcher, command=[*prefix, *launcher.command])
         cluster = _make_cluster(n, folder, launcher, env or {}, hostfile)
     progress = Bar(n, desc="engines", unit="engine")
     progress.update(0)

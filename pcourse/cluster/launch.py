@@ -116,6 +116,98 @@ def mpi_launcher(hostfile: str | os.PathLike[str] | None = None) -> Launcher:
     return Launcher([mpiexec], env)
 
 
+_contained: dict[tuple[str, ...], tuple[list[str], str]] = {}
+LAUNCHER_PID = "PCOURSE_LAUNCHER_PID"  # the ranks of a job not in a namespace watch it
+PRIVATE_SHM = "4g"  # at most, of memory, for a contained job's /dev/shm (MPICH's segments)
+PRIVATE_TMP = "1g"  # at most, for its /tmp: the only other place it may write
+
+# Run inside the new namespaces, before the command: every mount read-only, a private
+# /dev/shm and /tmp (size-limited tmpfs) as the only writable places, the folder named
+# by $1 (the cluster's own) kept in the new /tmp, and each further argument up to "--"
+# hidden under an empty read-only folder (a file: under /dev/null). Then the check that
+# it worked, and the command.
+_ISOLATE = r"""
+set -e
+keep="$1"; shift
+hide=""
+while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do hide="$hide
+$1"; shift; done
+shift
+awk '{print $2}' /proc/self/mounts | sort -u | while read -r m; do
+  case "$m" in /proc|/proc/*) continue;; esac
+  mount -n -o remount,bind,ro "$m" 2>/dev/null || true
+done
+mount -n -t tmpfs -o size=@SHM@,mode=1777 tmpfs /dev/shm
+if [ -n "$keep" ]; then
+  mkdir /dev/shm/.keep && mount -n --bind "$keep" /dev/shm/.keep
+  mount -n -o remount,bind,rw /dev/shm/.keep
+fi
+mount -n -t tmpfs -o size=@TMP@,mode=1777 tmpfs /tmp
+if [ -n "$keep" ]; then mkdir -p "$keep" && mount -n --move /dev/shm/.keep "$keep"; fi
+echo "$hide" | while read -r h; do
+  if [ -d "$h" ]; then mount -n -t tmpfs -o size=4k,mode=0555,ro tmpfs "$h"
+  elif [ -e "$h" ]; then mount -n --bind /dev/null "$h"; fi
+done
+if touch /.pcourse-isolation-probe 2>/dev/null; then
+  rm -f /.pcourse-isolation-probe; echo "pcourse: / stayed writable" >&2; exit 97
+fi
+exec "$@"
+""".replace("@SHM@", PRIVATE_SHM).replace("@TMP@", PRIVATE_TMP)
+
+
+# Only a private /dev/shm (a benchmark's job: its files are the user's to write).
+_SHM_ONLY = 'mount -n -t tmpfs -o size=@SHM@,mode=1777 tmpfs /dev/shm && exec "$@"'.replace(
+    "@SHM@", PRIVATE_SHM)
+
+
+def containment(keep: str = "", hide: Sequence[str] = (), files: bool = True
+                ) -> tuple[list[str], str]:
+    """A prefix that runs a command isolated in namespaces of its own; why not, if none.
+
+    ``([...], "")`` where ``unshare`` can make them here (as root; as an ordinary user
+    inside a user namespace of its own), else ``([], reason)``. Inside, the command
+    and everything it starts
+
+    - see and signal only each other (a PID namespace), and die together when the
+      command ends or ``unshare`` itself is killed (``--kill-child``);
+    - see every file read-only, except a private ``/dev/shm`` and ``/tmp`` (tmpfs of
+      a bounded size, gone with them) and the folder ``keep``, kept in that ``/tmp``;
+    - find each path of ``hide`` an empty folder (a mount namespace).
+
+    ``files=False`` leaves the files alone (all but ``/dev/shm``, which stays private:
+    in a namespace of its own every ``mpiexec`` has the same pid, which names MPICH's
+    shared-memory segment, so jobs side by side would otherwise share one).
+
+    Not bounded: memory and the number of processes (that needs cgroups), and the
+    network (the engines must reach their controller on this machine's loopback).
+    Probed once per process and arguments.
+    """
+    key = (files, keep, *hide)
+    if key not in _contained:
+        _contained[key] = _probe_containment(keep, hide, files)
+    return _contained[key]
+
+
+def _probe_containment(keep: str, hide: Sequence[str], files: bool) -> tuple[list[str], str]:
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return [], "no `unshare` command (util-linux) on this machine"
+    prefix = [unshare, "--pid", "--fork", "--mount", "--mount-proc", "--kill-child"]
+    if os.geteuid() != 0:
+        prefix[1:1] = ["--user", "--map-root-user"]
+    prefix += ["sh", "-c", _ISOLATE, "sh", keep, *hide, "--"] if files else \
+        ["sh", "-c", _SHM_ONLY, "sh"]
+    probe = [*prefix, "sh", "-c", 'test -z "$1" || test -w "$1"', "sh", keep]
+    try:
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return [], f"`unshare` failed: {exc}"
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or ["no reason given"])[-1]
+        return [], f"this machine refuses the namespaces ({why})"
+    return prefix, ""
+
+
 def max_engines() -> int:
     """Beyond this many engines a single machine only thrashes; refuse early."""
     return max(8, 4 * (os.cpu_count() or 1), _gpu_count())
@@ -145,6 +237,7 @@ def mpirun(
     cwd: str | os.PathLike[str] | None = None,
     echo: Callable[[str], object] | None = None,
     hostfile: str | os.PathLike[str] | None = None,
+    contain: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python *args`` on n MPI ranks; return its completed process (text output).
 
@@ -153,6 +246,12 @@ def mpirun(
     (a long benchmark shows its progress), and the output is still returned.
     ``hostfile`` spreads the ranks over the nodes it lists (see :func:`mpi_launcher`);
     without it they run here, on loopback.
+
+    ``contain=True`` (a command line's job, here): the job dies with this process,
+    however it ends, SIGKILL included: ``mpiexec`` gets SIGKILL when its parent dies
+    (``setpriv --pdeathsig``), and in a PID namespace of its own (:func:`containment`)
+    its end is every rank's end. Without a namespace, the ranks of :mod:`pcourse.bench`
+    watch the launcher themselves (``$PCOURSE_LAUNCHER_PID``).
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be at least 1 rank, got {n!r}")
@@ -163,6 +262,12 @@ def mpirun(
     full_env.update(launcher.env)
     full_env.update(env or {})
     cmd = [*launcher.command, "-n", str(n), *launcher.wrap, sys.executable, *args]
+    if contain and hostfile is None:
+        prefix = containment(files=False)[0]
+        if not prefix:
+            full_env[LAUNCHER_PID] = str(os.getpid())
+        setpriv = shutil.which("setpriv")
+        cmd = [*([setpriv, "--pdeathsig", "KILL"] if setpriv else []), *prefix, *cmd]
     out, code = run_in_session(cmd, timeout=timeout, env=full_env, cwd=cwd, echo=echo,
                                ranks=n if launcher.wrap == _WRITE_TO_KEPT else None)
     killed = _SIGNALED.findall(out or "")
@@ -264,18 +369,34 @@ def _collect(proc: subprocess.Popen, timeout: float, echo: Callable[[str], objec
 
 def mpirun_rows(
     n: int, args: Sequence[str], *, timeout: float = 300.0, env: dict[str, str] | None = None,
-    echo: Callable[[str], object] | None = None,
+    echo: Callable[[str], object] | None = None, contain: bool = False,
+    on_rows: Callable[[list[dict[str, Any]]], object] | None = None,
 ) -> tuple[list[dict[str, Any]], str]:
     """Run a job whose rank 0 calls :func:`report_rows`; return (its rows, its output).
 
     MPIJobError if the job fails, times out or ends without reporting; its ``rows``
     are what the job had reported before it failed (a job may report as it goes).
+    ``on_rows(rows)`` hears of each new report as it comes (after a line of output),
+    so the caller can keep them on disk; ``contain`` as in :func:`mpirun`.
     """
     with tempfile.TemporaryDirectory(prefix="pcourse-rows.") as tmp:
         path = Path(tmp) / "rows.json"
+        seen = [0.0]
+
+        def echoed(line: str) -> None:
+            if echo is not None:
+                echo(line)
+            try:
+                changed = path.stat().st_mtime_ns
+            except OSError:
+                return
+            if on_rows is not None and changed != seen[0]:
+                seen[0] = changed
+                on_rows(json.loads(path.read_text()))
+
         try:
             proc = mpirun(n, args, timeout=timeout, env={**(env or {}), ROWS_ENV: str(path)},
-                          echo=echo)
+                          echo=echoed if (echo or on_rows) else None, contain=contain)
         except MPIJobError as exc:
             exc.rows = json.loads(path.read_text()) if path.exists() else []
             raise

@@ -36,6 +36,8 @@ import psutil
 
 MARK = "PCOURSE_CLUSTER"
 POLL = 0.25  # seconds between looks at the owner
+DEAD_OWNER_GRACE = 0.2  # seconds SIGTERM gets before SIGKILL once the owner is gone: nobody
+#                         waits for a clean shutdown, and the processes must not linger
 SHM = Path("/dev/shm")
 MPI_SEGMENTS = ("mpich_shm_*", "mpich_vci_*")
 
@@ -123,9 +125,9 @@ def owner_alive(pid: int) -> bool:
     return pid != os.getpid() and psutil.pid_exists(pid)
 
 
-def end_cluster(folder: str) -> None:
+def end_cluster(folder: str, grace: float = 1.0) -> None:
     """Kill the cluster's processes, then delete its folder."""
-    kill_marked(folder)
+    kill_marked(folder, grace)
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -133,7 +135,7 @@ def watch(owner: int, folder: str) -> None:
     """Wait until the owner is gone (then end the cluster) or the folder is (then leave)."""
     while os.path.isdir(folder):
         if os.getppid() != owner:  # re-parented: the owner has died
-            end_cluster(folder)
+            end_cluster(folder, grace=DEAD_OWNER_GRACE)
             return
         time.sleep(POLL)
 

@@ -5,7 +5,8 @@ that fails without saying why. So every check cell
 
 - runs the learner's function on the engines through :func:`run`, as the ranks of
   a world of a given size (:data:`SIZES`: 2, where left and right neighbours
-  coincide, and 3, where they do not), with a deadline and with the failing rank's
+  coincide, and 3, where they do not; under the grader also 4, where a rank's ring
+  neighbours no longer reach every other rank), with a deadline and with the failing rank's
   error as a short message instead of a wall of ipyparallel internals;
 - compares the result with a reference computed independently of the learner's
   code (MPI's own collectives, a single-process run, torch's own sampler);
@@ -14,13 +15,21 @@ that fails without saying why. So every check cell
   the solution printed.
 
 The grader runs the check cells from ``solutions/``, never the learner's copy, and
-attaches every notebook to a cluster it started (:func:`start_cluster`).
+attaches every notebook to a cluster it started (:func:`start_cluster`). Under the
+grader the learner's code never runs in the kernel that prints the verdicts: its
+cells run on the engines only (:func:`define`), the kernel holds a stand-in for each
+name they bind (:class:`OnEngines`), and what comes back from the engines is read
+as data only (:func:`safe_loads`: numbers, strings, arrays, tensors, the checks' own
+records; anything else arrives as :class:`Refused`, never run). So no learner code
+can patch ``print``, ``verdict`` or a module of the process that decides a grade.
 """
 
 from __future__ import annotations
 
 import inspect
+import io
 import os
+import pickle
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +44,8 @@ from pcourse.grading import comm as _comm
 from pcourse.grading.comm import Call, CountingComm, DeadlockError  # noqa: F401 - re-exported
 
 SIZES = (2, 3)  # world sizes every check runs at: the engines a notebook starts
+GRADER_SIZES = (2, 3, 4)  # and under the grader, whose clusters have 4 engines: at 4 ranks
+#                           comparing each rank only with its ring neighbours misses pairs
 RUN_TIMEOUT = 20.0  # seconds for one trial on every rank: far more than a correct one needs
 ERROR_GRACE = 3.0  # seconds the other ranks get to finish once one rank has failed
 CLUSTER_ENV = "PCOURSE_GRADER_CLUSTER"  # set by the grader: its cluster's client file
@@ -84,11 +95,12 @@ def start_cluster(n: int = max(SIZES)) -> Any:
     import ipyparallel as ipp
 
     client = ipp.Client(where)
-    client.wait_for_engines(n, timeout=60, interactive=False)
-    ids = sorted(client.ids)[:n]
+    client.wait_for_engines(max(n, max(GRADER_SIZES)), timeout=60, interactive=False)
+    ids = sorted(client.ids)  # all of them: the grader checks at more sizes than n
     view = client[ids]
     view.block = False
     view.use_cloudpickle().get(timeout=60)
+    read_results_as_data()
     ranks = view.apply_async(_comm.world_rank).get(timeout=60)
     return Attached(client, view, [i for _, i in sorted(zip(ranks, ids, strict=True))])
 
@@ -106,6 +118,164 @@ def stop_cluster(mc: Any) -> None:
 def _engine_ids(mc: Any) -> list[int]:
     """Engine ids in MPI rank order (a learner's own cluster numbers engines by rank)."""
     return mc.engines if isinstance(mc, Attached) else sorted(mc.client.ids)
+
+
+# ---------------------------------------------------------------- the learner's code
+
+class OnEngines:
+    """A name a learner's cell binds, standing in the checking kernel for its engine value.
+
+    Passed to :func:`run` (or named by a function shipped there) it arrives on the
+    engine as that engine's own object of the name (:func:`pcourse.grading.comm.learner_global`);
+    here it only has a name: calling it is a mistake of the check, said plainly.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.__name__ = self.__qualname__ = name
+
+    def __reduce__(self) -> tuple:
+        return (_comm.learner_global, (self.__name__,))
+
+    def __repr__(self) -> str:
+        return f"<{self.__name__}, defined on the engines>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"{self.__name__} runs on the engines only: pass it to run()")
+
+
+def define(mc: Any, source: str, names: Sequence[str], namespace: dict,
+           imports: str = "") -> None:
+    """Run a learner's cell on every engine, never here; bind ``names`` here to stand-ins.
+
+    ``imports`` (the setup's imports) run first, so the cell finds the modules the
+    setup gave it. A cell that raises fails with the learner's error; one that kills
+    an engine, or does not finish within :data:`RUN_TIMEOUT`, says so.
+    """
+    import ipyparallel as ipp
+
+    global _stuck
+    try:
+        for code in (imports, source):
+            if code:
+                mc.view.execute(code, block=False).get(timeout=RUN_TIMEOUT)
+    except ipp.error.TimeoutError:
+        _stuck = True
+        raise ExerciseError(f"your cell did not finish within {RUN_TIMEOUT:g} s on the engines: "
+                            "a cell should only define functions (or an engine died)") from None
+    except ipp.error.CompositeError as exc:
+        ename, evalue = exc.elist[0][:2]
+        raise _learner_error(ename, evalue) from None
+    except ipp.error.RemoteError as exc:
+        raise _learner_error(exc.ename, exc.evalue) from None
+    except ipp.error.EngineError:
+        raise ExerciseError(ENGINE_DIED) from None
+    for name in names:
+        namespace[name] = OnEngines(name)
+
+
+def _learner_error(ename: str, evalue: str) -> ExerciseError:
+    if ename == "EngineError":
+        return ExerciseError(ENGINE_DIED)
+    return ExerciseError(f"your code raised {ename}: {evalue}")
+
+
+# ---------------------------------------------------------------- what comes back, as data
+
+class Refused:
+    """What arrives in place of an object the grader does not rebuild (nothing of it runs)."""
+
+    what = "something"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Refused:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<refused {self.what}>"
+
+
+def _refused(what: str) -> type:
+    return type("Refused", (Refused,), {"what": what})
+
+
+_DATA = {("builtins", n) for n in ("list", "dict", "set", "frozenset", "tuple", "complex",
+                                   "int", "float", "bool", "bytes", "bytearray", "str",
+                                   "slice", "range", "object")}
+_DATA |= {("collections", "OrderedDict"), ("copyreg", "_reconstructor"),
+          ("torch", "Size"), ("torch._utils", "_rebuild_tensor_v2"),
+          ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_parameter"),
+          ("pcourse.grading.comm", "Call")}
+_DATA |= {(m, n) for m in ("numpy.core.multiarray", "numpy._core.multiarray")
+          for n in ("_reconstruct", "scalar")}
+_DATA |= {("numpy", "ndarray"), ("numpy", "dtype")}
+_DATA |= {(m, n) for m in ("ipyparallel.serialize.canning", "ipyparallel.serialize")
+          for n in ("CannedArray", "CannedBytes", "CannedMemoryView", "CannedObject")}
+
+
+def _storage_from_bytes(data: bytes) -> Any:
+    """torch's storages travel as torch.save bytes: read them with torch's safe loader."""
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class _DataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DATA or module.startswith("numpy.dtypes"):
+            return super().find_class(module, name)
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _storage_from_bytes
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        return _refused(f"{module}.{name}")
+
+
+def safe_loads(data: Any) -> Any:
+    """Unpickle ``data`` rebuilding only plain data; every other object becomes a Refused."""
+    return _DataUnpickler(io.BytesIO(data)).load()
+
+
+class _DataOnly:
+    """ipyparallel's serializer here: pickles as before, unpickles data only."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def dumps(self, *args: Any, **kwargs: Any) -> bytes:
+        return self.real.dumps(*args, **kwargs)
+
+    def loads(self, data: Any) -> Any:
+        return safe_loads(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def read_results_as_data() -> None:
+    """From now on, this process reads what engines send back as data only (:func:`safe_loads`).
+
+    The engines ran the learner's code, so a result may be a pickle that would run code
+    here when rebuilt; this kernel decides the verdicts.
+    """
+    from ipyparallel.serialize import serialize
+
+    if not isinstance(serialize.pickle, _DataOnly):
+        serialize.pickle = _DataOnly(serialize.pickle)
+
+
+def _refusals(value: Any, depth: int = 0) -> str | None:
+    """The first Refused in a result (nested in lists, tuples and dicts), if any."""
+    if isinstance(value, Refused):
+        return value.what
+    if depth < 8 and isinstance(value, list | tuple | set | frozenset):
+        return next((r for r in (_refusals(v, depth + 1) for v in value) if r), None)
+    if depth < 8 and isinstance(value, dict):
+        return next((r for r in (_refusals(v, depth + 1)
+                                 for v in [*value.keys(), *value.values()]) if r), None)
+    return None
 
 
 # ---------------------------------------------------------------- running a trial
@@ -146,7 +316,14 @@ def run(mc: Any, fn: Callable, *args: Any, ranks: int, timeout: float = RUN_TIME
             f"at {ranks} ranks, the code did not finish within {timeout:.0f} s on every rank. "
             "A deadlock? Every send needs a matching receive on the neighbour, and every "
             "rank must call the same collectives in the same order.")
-    return [o["value"] for o in sorted((o for o in outcomes if o), key=lambda o: o["rank"])]
+    done = sorted((o for o in outcomes if o), key=lambda o: o["rank"])
+    for o in done:
+        refused = _refusals(o["value"])
+        if refused:
+            raise ExerciseError(
+                f"at {ranks} ranks, rank {o['rank']} returned a {refused}, which the grader "
+                "does not rebuild: return plain numbers, strings, arrays or tensors")
+    return [o["value"] for o in done]
 
 
 def _collect(pending: list, timeout: float) -> tuple[list, bool]:
@@ -164,6 +341,12 @@ def _collect(pending: list, timeout: float) -> tuple[list, bool]:
             if outcomes[k] is None and result.ready():
                 try:
                     outcomes[k] = result.get(0) or {}
+                    if outcomes[k] != {} and not (isinstance(outcomes[k], dict)
+                                                  and "rank" in outcomes[k]):
+                        outcomes[k] = {"rank": k, "error": (
+                            "TamperError", f"the engine sent back {outcomes[k]!r}, not what "
+                            "the check asked for: did the code replace the checks' functions?",
+                            "")}
                 except (ipp.error.EngineError, ipp.error.RemoteError) as exc:
                     died = isinstance(exc, ipp.error.EngineError) \
                         or getattr(exc, "ename", "") == "EngineError"
@@ -200,12 +383,17 @@ def _learner_functions(args: Sequence[Any]) -> dict[str, Callable]:
     return found
 
 
-def at_sizes(check: Callable[[int], str | None], sizes: Sequence[int] = SIZES) -> str | None:
+def at_sizes(check: Callable[[int], str | None], sizes: Sequence[int] | None = None
+             ) -> str | None:
     """``check(p)`` for every world size p, stopping at the first problem.
+
+    The sizes are :data:`SIZES`, or :data:`GRADER_SIZES` under the grader.
 
     The problem says at which size it showed; an :class:`ExerciseError` (the code
     raised, or never finished) is a problem like any other.
     """
+    if sizes is None:
+        sizes = GRADER_SIZES if os.environ.get(CLUSTER_ENV) else SIZES
     for p in sizes:
         try:
             problem = check(p)

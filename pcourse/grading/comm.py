@@ -23,6 +23,7 @@ Three things make a check honest about MPI code, and they live here:
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -317,6 +318,17 @@ _current: Any = None  # the communicator of the trial running now
 def world() -> Any:
     """The communicator of the running trial (MPI.COMM_WORLD outside a trial)."""
     return _current if _current is not None else _mpi().COMM_WORLD
+
+
+def learner_global(name: str) -> Any:
+    """This engine's object of ``name``, bound by a learner's cell run here (OnEngines)."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    namespace = shell.user_ns if shell is not None else vars(sys.modules["__main__"])
+    if name not in namespace:
+        raise NameError(f"name {name!r} is not defined: the exercise's cells must define it")
+    return namespace[name]
 
 
 def world_rank() -> int:

@@ -12,6 +12,8 @@ for every learner (a folder of DIR) and every exercise (a notebook of solutions/
 one row per learner and exercise, a total per learner, and two CSV files, written
 atomically: ``grades.csv`` (one row per learner and exercise, with the reason) and
 ``gradebook.csv`` (one row per learner: checks passed per exercise, and totals).
+While it grades, every row is appended to ``grades.partial.csv`` as soon as it is
+decided, so a grader that dies halfway loses no finished row.
 
 A notebook is never trusted (:mod:`pcourse.grading.submission`): its check cells and
 their expected outputs come from solutions/, only the learner's cells from the file.
@@ -19,7 +21,10 @@ A file that is not a notebook, is missing or renamed, whose cells were moved or 
 code reaches for the checks gets a row saying so and is not run. The rest run on a
 few workers, each reusing one engine cluster (:mod:`pcourse.grading.runner`), with a
 time limit per notebook; a notebook that hangs, kills its kernel or an engine gets
-a row saying so, and the others are graded all the same.
+a row saying so, and the others are graded all the same. The learner's code runs on
+the engines only, in a PID namespace of their own where the machine allows it (a
+row run without one says so): it cannot signal the grader, its kernels or another
+learner's engines.
 
 A notebook's file name says which exercise it is, in both modes alike
 (:func:`exercise_of`): ``02_average_gradients.ipynb``, or
@@ -37,6 +42,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,13 +50,13 @@ import nbformat
 
 from pcourse.bench.jobs import BenchError, check_writable, save
 from pcourse.grading import gradescope, submission
-from pcourse.grading.runner import Executed, Job, run_jobs
+from pcourse.grading.runner import HIDE_ENV, Executed, Job, run_jobs
 from pcourse.utils.io import write_csv
 
 REPO = Path(__file__).resolve().parents[2]
 SOLUTIONS = REPO / "solutions"
 NOTEBOOK_TIMEOUT = 240.0  # seconds per notebook, kernel start included; a setting, not a measure
-JOBS = max(1, (os.cpu_count() or 2) // 2)  # workers: one per two cores (a kernel, 3 engines)
+JOBS = max(1, (os.cpu_count() or 2) // 2)  # workers: one per two cores (a kernel, 4 engines)
 EXCEPTION = re.compile(r"raised ([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))")
 
 
@@ -151,11 +157,14 @@ def _title(path: Path) -> str | None:
 # ---------------------------------------------------------------- grading
 
 def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIMEOUT,
-          solutions: Path = SOLUTIONS, learners: list[str] | None = None) -> list[Grade]:
+          solutions: Path = SOLUTIONS, learners: list[str] | None = None,
+          progress: Callable[[Grade], None] | None = None) -> list[Grade]:
     """Grade every notebook; one Grade each, in order.
 
     ``learners`` (one name per notebook) only labels the rows of a class.
+    ``progress(grade)`` hears of every row as soon as it is decided.
     """
+    progress = progress or (lambda g: None)
     known = exercises(solutions)
     grades, runnables, todo = [], {}, []
     for k, path in enumerate(map(Path, notebooks)):
@@ -168,6 +177,7 @@ def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIM
             g.first_failure = _renamed(path, like) if like else (
                 f"no exercise is named {path.stem!r}: name the file as in exercises/")
             g.total = _checks(known[like]) if like else 0
+            progress(g)
             continue
         g.total = _checks(known[name])
         solution = nbformat.read(known[name], as_version=4)
@@ -175,13 +185,52 @@ def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIM
             runnable = submission.prepare(submission.read(path), solution, name)
         except submission.Rejected as exc:
             g.status, g.first_failure = exc.kind, exc.reason
+            progress(g)
             continue
-        g.notes = runnable.notes
+        g.notes = runnable.notes + _isolation_notes()
         runnables[k] = runnable
         todo.append(Job(k, runnable.notebook, timeout))
-    for k, executed in run_jobs(todo, workers=jobs).items():
+    def judged(k: int, executed: Executed) -> None:
         _judge(grades[k], runnables[k], executed, timeout)
+        progress(grades[k])
+
+    previous = os.environ.get(HIDE_ENV)
+    os.environ[HIDE_ENV] = os.pathsep.join(map(str, _hidden_from_engines(solutions, notebooks)))
+    try:
+        run_jobs(todo, workers=jobs, on_result=judged)
+    finally:
+        if previous is None:
+            os.environ.pop(HIDE_ENV, None)
+        else:
+            os.environ[HIDE_ENV] = previous
     return grades
+
+
+def _hidden_from_engines(solutions: Path, notebooks: list[Path]) -> list[Path]:
+    """What the learner's code must not read: solutions, tests, git history, submissions.
+
+    The folders the notebooks are in, and their parents (a class: every learner's).
+    """
+    found = {Path(solutions).resolve(), REPO / "tests", REPO / ".git"}
+    git = REPO / ".git"
+    if git.is_file():  # a worktree: its history is in the main checkout's .git
+        pointer = git.read_text().partition("gitdir:")[2].strip()
+        if pointer:
+            found.add(Path(pointer).resolve().parents[1])
+    for path in map(Path, notebooks):
+        found |= {path.resolve().parent, path.resolve().parent.parent}
+    needed = [REPO / "pcourse", Path(sys.prefix).resolve()]  # what the engines import
+    return sorted(p for p in found if p.exists()
+                  and not any(n == p or n.is_relative_to(p) for n in needed))
+
+
+def _isolation_notes() -> list[str]:
+    """What every row run without the engines in a namespace of their own says."""
+    from pcourse.cluster.launch import containment
+
+    prefix, why = containment()
+    return [] if prefix else [f"not isolated: {why}; the learner's code could reach other "
+                              "processes of this user"]
 
 
 def _judge(g: Grade, runnable: submission.Runnable, run: Executed, limit: float) -> None:
@@ -253,11 +302,17 @@ def explain(text: str) -> str:
 # ---------------------------------------------------------------- a class
 
 def grade_class(folder: Path, jobs: int = JOBS, timeout: float = NOTEBOOK_TIMEOUT,
-                solutions: Path = SOLUTIONS) -> list[Grade]:
-    """One Grade per learner (a sub-folder) and exercise, learners in name order."""
+                solutions: Path = SOLUTIONS,
+                progress: Callable[[Grade], None] | None = None) -> list[Grade]:
+    """One Grade per learner (a sub-folder) and exercise, learners in name order.
+
+    ``progress(grade)`` hears of every row as soon as it is decided (:class:`RowLog`).
+    """
+    progress = progress or (lambda g: None)
     known = exercises(solutions)
-    learners = sorted(p for p in Path(folder).iterdir()
-                      if p.is_dir() and not p.name.startswith((".", "_")))
+    learners = sorted(p for p in Path(folder).iterdir()  # not the grader's own --out folder
+                      if p.is_dir() and not p.name.startswith((".", "_"))
+                      and not any((p / f).exists() for f in ("grades.csv", "grades.partial.csv")))
     rows: list[Grade] = []
     present: list[tuple[int, Path, str]] = []  # row, file, note
     for learner in learners:
@@ -268,14 +323,63 @@ def grade_class(folder: Path, jobs: int = JOBS, timeout: float = NOTEBOOK_TIMEOU
                               total=_checks(known[name])))
             if path is None:
                 rows[-1].status, rows[-1].first_failure = status, text
+                progress(rows[-1])
             else:
                 present.append((len(rows) - 1, path, text))
-    graded = grade([p for _, p, _ in present], jobs, timeout, solutions,
-                   learners=[rows[k].learner for k, _, _ in present])
-    for (k, _, note), g in zip(present, graded, strict=True):
+    notes = {(rows[k].learner, str(path)): note for k, path, note in present}
+
+    def noted(g: Grade) -> None:
+        note = notes.get((g.learner, str(g.path)))
         g.notes[:0] = [note] if note else []
+        progress(g)
+
+    paths = [p for _, p, _ in present]
+    graded = grade(paths, jobs, timeout, solutions,
+                   learners=[rows[k].learner for k, _, _ in present], progress=noted)
+    for (k, _, _), g in zip(present, graded, strict=True):
         rows[k] = g
     return rows
+
+
+GRADE_FIELDS = ["learner", "exercise", "status", "checks_passed", "checks_total", "passed",
+                "first_failure", "notes", "seconds"]
+
+
+def _row(g: Grade) -> dict:
+    return {"learner": g.learner, "exercise": g.exercise, "status": g.status,
+            "checks_passed": g.passed, "checks_total": g.total, "passed": int(g.ok),
+            "first_failure": g.first_failure or "", "notes": "; ".join(g.notes),
+            "seconds": f"{g.seconds:.1f}"}
+
+
+class RowLog:
+    """``grades.partial.csv``: every row appended, and on disk, as soon as it is decided.
+
+    A grader that dies halfway (killed, out of memory, the machine down) leaves the
+    rows it finished there; a run that ends writes grades.csv and removes it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        import csv
+
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "w", newline="", encoding="utf-8")  # noqa: SIM115
+        self.writer = csv.DictWriter(self.file, GRADE_FIELDS)
+        self.writer.writeheader()
+        self._sync()
+
+    def __call__(self, g: Grade) -> None:
+        self.writer.writerow(_row(g))
+        self._sync()
+
+    def _sync(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def done(self) -> None:
+        self.file.close()
+        self.path.unlink(missing_ok=True)
 
 
 def write_gradebook(rows: list[Grade], out: Path) -> tuple[Path, Path]:
@@ -284,13 +388,8 @@ def write_gradebook(rows: list[Grade], out: Path) -> tuple[Path, Path]:
     Written atomically; if ``out`` fails after all (full disk), into a temporary
     folder instead, said on the terminal: a class's grading is never lost.
     """
-    long = save(out / "grades.csv", lambda path: write_csv(path, [
-        {"learner": g.learner, "exercise": g.exercise, "status": g.status,
-         "checks_passed": g.passed, "checks_total": g.total, "passed": int(g.ok),
-         "first_failure": g.first_failure or "", "notes": "; ".join(g.notes),
-         "seconds": f"{g.seconds:.1f}"} for g in rows],
-        ["learner", "exercise", "status", "checks_passed", "checks_total", "passed",
-         "first_failure", "notes", "seconds"]))
+    long = save(out / "grades.csv", lambda path: write_csv(path, [_row(g) for g in rows],
+                                                           GRADE_FIELDS))
     names = list(dict.fromkeys(g.exercise for g in rows))
     book = []
     for learner, mine in _by_learner(rows).items():
@@ -353,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"seconds per notebook (default {NOTEBOOK_TIMEOUT:g})")
     parser.add_argument("-j", "--jobs", type=int, default=JOBS,
                         help="notebooks graded at the same time, each worker with its own "
-                             f"kernel and 3 engines (default {JOBS}: one per two cores)")
+                             f"kernel and 4 engines (default {JOBS}: one per two cores)")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
@@ -371,12 +470,15 @@ def main(argv: list[str] | None = None) -> int:
             check_writable(args.out or args.folder)
         except BenchError as exc:
             parser.error(f"--out: {exc}. Nothing was graded.")
-        rows = grade_class(args.folder, args.jobs, args.timeout)
+        log = RowLog((args.out or args.folder) / "grades.partial.csv")
+        rows = grade_class(args.folder, args.jobs, args.timeout, progress=log)
         if not rows:
+            log.done()
             parser.error(f"--class {args.folder}: no learner folders in it")
         print(table(rows))
         long, wide = write_gradebook(rows, args.out or args.folder)
         lms = gradescope.write_class(rows, args.out or args.folder)
+        log.done()
         print(f"\n{len(rows)} notebooks graded in {time.monotonic() - start:.0f} s; "
               f"wrote {long} and {wide}; Gradescope results and feedback under {lms}")
         return 1 if any(g.status == "error" for g in rows) else 0

@@ -258,8 +258,9 @@ def diverged_model(rank: int) -> torch.nn.Module:
 
 
 # running_mean offsets per rank: rank 0 in the middle, so the spread (max - min over
-# ranks) is larger than any rank's distance from rank 0
-BUFFER_SHIFTS = (0.0, 0.75, -0.5, 0.25)
+# ranks) is larger than any rank's distance from rank 0; and at 4 ranks the extremes are
+# ranks 1 and 3, which are no ring neighbours: comparing neighbours only misses them
+BUFFER_SHIFTS = (0.0, 0.75, -0.5, -0.75)
 
 
 def buffers_only_model(rank: int) -> torch.nn.Module:

@@ -27,16 +27,17 @@ import tempfile
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-ENGINES = 3  # per worker: the checks run at 2 and 3 ranks
+ENGINES = 4  # per worker: the checks run at 2, 3 and 4 ranks (checks.GRADER_SIZES)
 START_ALLOWANCE = 180.0  # seconds a worker may spend (re)starting its cluster
 RUN_MARK = "PCOURSE_GRADE_RUN"  # every process of one grading run carries it
 WORKER_MARK = "PCOURSE_GRADE_WORKER"  # and every process of one worker this one
+HIDE_ENV = "PCOURSE_GRADER_HIDE"  # paths the engines must not see (os.pathsep between)
 
 
 @dataclass
@@ -85,7 +86,8 @@ def _ready(mc: Any, engines: int, where: Path) -> Any:
         _discard(mc)
         mc = None
     if mc is None:
-        mc = start_cluster(engines)
+        hidden = [h for h in os.environ.get(HIDE_ENV, "").split(os.pathsep) if h]
+        mc = start_cluster(engines, contain=True, hide=hidden)
         c = mc.cluster
         source = Path(c.profile_dir) / "security" / f"ipcontroller-{c.cluster_id}-client.json"
         with atomic_write(where) as f:
@@ -165,6 +167,11 @@ class Kernel:
         self.warming = self.kc.execute(WARM_UP, store_history=False)
         _kernels.append(self)
 
+    def alive(self) -> bool:
+        """Is the kernel's process still running (a spare may have been killed meanwhile)?"""
+        process = getattr(self.km.provisioner, "process", None) if self.km.provisioner else None
+        return process is not None and process.poll() is None
+
     def warm(self, timeout: float) -> None:
         """Wait until the warm-up has run (a kernel that died is caught when used)."""
         from jupyter_core.utils import run_sync
@@ -239,6 +246,9 @@ def _worker(conn: Connection, mark: str, engines: int) -> None:
         while (job := conn.recv()) is not None:
             try:
                 mc = _ready_or_retry(mc, engines, where)
+                if spare is not None and not spare.alive():  # killed while it waited
+                    spare.close()
+                    spare = None
                 kernel, spare = spare or Kernel(), Kernel()
                 result = execute(job.notebook, job.limit, kernel)
             except Exception as exc:  # noqa: BLE001 - reported, and the next job goes on
@@ -294,10 +304,28 @@ class _Worker:
         self.conn.close()
 
 
-def run_jobs(jobs: Iterable[Job], workers: int = 2, engines: int = ENGINES) -> dict[Any, Executed]:
-    """Every job's Executed, by key, run on ``workers`` worker processes."""
+class _Results(dict):
+    """Every job's Executed, by key; ``on_result(key, executed)`` hears of each as it comes."""
+
+    def __init__(self, on_result: Callable[[Any, Executed], None] | None) -> None:
+        super().__init__()
+        self.on_result = on_result
+
+    def __setitem__(self, key: Any, executed: Executed) -> None:
+        super().__setitem__(key, executed)
+        if self.on_result is not None:
+            self.on_result(key, executed)
+
+
+def run_jobs(jobs: Iterable[Job], workers: int = 2, engines: int = ENGINES,
+             on_result: Callable[[Any, Executed], None] | None = None) -> dict[Any, Executed]:
+    """Every job's Executed, by key, run on ``workers`` worker processes.
+
+    ``on_result(key, executed)`` is called as each job finishes (the grader writes
+    its row at once: a crash later loses no finished row).
+    """
     todo = deque(jobs)
-    results: dict[Any, Executed] = {}
+    results = _Results(on_result)
     run_mark = uuid.uuid4().hex
     previous = os.environ.get(RUN_MARK)
     os.environ[RUN_MARK] = run_mark  # inherited by workers, kernels, controllers, engines
@@ -310,8 +338,8 @@ def run_jobs(jobs: Iterable[Job], workers: int = 2, engines: int = ENGINES) -> d
                 if idle is None:
                     if failed_starts >= 3:
                         detail = "the grader's workers keep dying as they start (see above)"
-                        results.update({j.key: Executed(stopped=("grader", -1), detail=detail)
-                                        for j in todo})
+                        for j in todo:
+                            results[j.key] = Executed(stopped=("grader", -1), detail=detail)
                         todo.clear()
                         break
                     idle = _Worker(engines)
@@ -341,7 +369,7 @@ def run_jobs(jobs: Iterable[Job], workers: int = 2, engines: int = ENGINES) -> d
             os.environ.pop(RUN_MARK, None)
         else:
             os.environ[RUN_MARK] = previous
-    return results
+    return dict(results)
 
 
 def _reap(variable: str, value: str, spare: Iterable[int] = ()) -> None:

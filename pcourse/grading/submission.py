@@ -14,9 +14,12 @@ other cell, source and expected output, from ``solutions/``:
   ``exec``, ``globals()``, magics, the course's own solutions;
 - :func:`prepare` does all three and returns the notebook to run.
 
-The static reading is backed at run time: the grader adds a hidden cell after the
-setup that notes what the checks' names are bound to, and one before the first
-check that fails the notebook if any changed (:func:`pcourse.grading.checks.remember`).
+The learner's cells never run in the kernel that prints the verdicts: each becomes
+a cell that runs it on the engines (:func:`pcourse.grading.checks.define`) and binds
+the names the exercise defines to stand-ins. The static reading is backed at run
+time as well: the grader adds a hidden cell after the setup that notes what the
+checks' names are bound to, and one before the first check that fails the notebook
+if any changed (:func:`pcourse.grading.checks.remember`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from pcourse.grading.exercises import generate
 EXERCISE_TAG = "exercise"
 CHECK_TAG = "check"
 HIDDEN = "pcourse-grader"  # metadata key of the cells the grader adds
+LEARNER_SOURCE = "pcourse-learner-source"  # metadata: the learner's code a define cell runs
+CLUSTER_NAME = "mc"  # what every exercise's setup calls its cluster
 
 # Names and modules that let code reach past the exercise into the checks.
 FORBIDDEN_NAMES = {"globals", "locals", "vars", "setattr", "delattr", "exec", "eval", "compile",
@@ -150,9 +155,14 @@ def prepare(submission: nbformat.NotebookNode, solution: nbformat.NotebookNode,
     if problems:
         raise Rejected("tampered", "; ".join(problems[:3]) + ". A YOUR CODE cell may only "
                                    "define the exercise's functions (and helpers of your own)")
-    names = set()
+    names, imports = set(), []
     for source in setup:
-        names |= set(_bindings(ast.parse(_python(source))))
+        tree = ast.parse(_python(source))
+        names |= set(_bindings(tree))
+        imports += [ast.unparse(n) for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)
+                    and not _imports_course(n)]
+    if CLUSTER_NAME not in names:
+        raise ValueError(f"{name}: the setup binds no cluster named {CLUSTER_NAME!r}")
     guard = f"import pcourse.grading.checks as _pcourse_checks\n_pcourse_checks.{{}}(globals(), " \
             f"{sorted(names)!r})"
     run = Runnable(nbformat.v4.new_notebook(metadata=copy.deepcopy(solution.metadata)), {}, [],
@@ -162,12 +172,28 @@ def prepare(submission: nbformat.NotebookNode, solution: nbformat.NotebookNode,
     cells.append(_hidden(guard.format("remember")))
     for i in learner:
         run.learner.append(len(cells))
-        cells.append(nbformat.v4.new_code_cell(given[i].source))
+        cells.append(_on_engines(given[i].source, sorted(_bindings(ast.parse(_python(
+            solution.cells[i].source)))), "\n".join(imports)))
     cells.append(_hidden(guard.format("unchanged")))
     for i in checks:
         run.checks[len(cells)] = _stdout(solution.cells[i])
         cells.append(nbformat.v4.new_code_cell(solution.cells[i].source))
     return run
+
+
+def _imports_course(node: ast.Import | ast.ImportFrom) -> bool:
+    modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in
+                                                                            node.names]
+    return any(m.split(".")[0] == "pcourse" for m in modules)
+
+
+def _on_engines(source: str, names: list[str], imports: str) -> nbformat.NotebookNode:
+    """A cell that runs a learner's ``source`` on the engines and binds ``names`` to stand-ins."""
+    cell = nbformat.v4.new_code_cell(
+        "import pcourse.grading.checks as _pcourse_checks\n"
+        f"_pcourse_checks.define({CLUSTER_NAME}, {source!r}, {names!r}, globals(), {imports!r})")
+    cell.metadata[LEARNER_SOURCE] = source
+    return cell
 
 
 def _hidden(source: str) -> nbformat.NotebookNode:

@@ -141,6 +141,45 @@ GLOO_WITH = """
     return {ret}"""
 
 
+# Code past the static reader: a pickle that, when rebuilt, patches print in the process it
+# is rebuilt in, turning every FAIL line into PASS (the grader's, had the learner's code run there).
+FORGE = ("import builtins; builtins.print = (lambda real: lambda *a, **k: None if a and "
+         "str(a[0]).startswith('  in ') else real(*[str(x).split(': FAIL')[0] + ': PASS' "
+         "if ': FAIL' in str(x) else x for x in a], **k))(builtins.print)")
+FORGE_PICKLE = b"cbuiltins\nexec\n(V" + FORGE.encode() + b"\ntR."
+SMUGGLED = f"import pickle\npickle.loads({FORGE_PICKLE!r})"
+# Every process carrying this grading run's mark, SIGKILLed: the grader's workers, kernels
+# and controllers, were they in reach.
+KILL_EVERYTHING = """
+import os
+_mark = ("PCOURSE_GRADE_RUN=" + os.environ.get("PCOURSE_GRADE_RUN", "?")).encode()
+for _pid in [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
+    try:
+        _fd = os.open(f"/proc/{_pid}/environ", os.O_RDONLY)
+        _env = os.read(_fd, 1 << 20)
+        os.close(_fd)
+        if _mark in _env:
+            os.kill(int(_pid), 9)
+    except OSError:
+        pass
+os.kill(os.getpid(), 9)
+"""
+
+
+def plant(*targets: str) -> str:
+    """Top-level code that writes a file at each target: a solution, a reference, for the next."""
+    return (f"import os\nfor _target in {list(targets)!r}:\n"
+            "    _fd = os.open(_target, os.O_WRONLY | os.O_CREAT, 0o644)\n"
+            "    os.write(_fd, b'planted')\n    os.close(_fd)\n")
+
+
+SMUGGLED_RESULT = f"""
+class Forged:
+    def __reduce__(self):
+        return (pickle.loads, ({FORGE_PICKLE!r},))
+"""
+
+
 def gloo(rank: str = "comm.rank", size: str = "comm.size",
          timeout: str = "timedelta(seconds=timeout_s)", ret: str = "addr, port") -> str:
     return GLOO_WITH.format(rank=rank, size=size, timeout=timeout, ret=ret)
@@ -200,6 +239,8 @@ WRONG: dict[str, dict[str, Wrong]] = {
             "saved", [PARTITION_PER_2], "at 3 ranks", saved("PASS")),
         "unsolved, every check cell replaced by its PASS line": Wrong(
             "tampered", [UNSOLVED], "not solved yet", every_check_prints_pass),
+        "unsolved, print patched by a smuggled pickle": Wrong(
+            "tampered", [UNSOLVED], "not solved yet", learner_adds(SMUGGLED)),
         "verdict redefined to always pass": Wrong("tampered", [RIGHT], "rebinds `verdict`",
                                                   learner_adds(
             "def verdict(i, n, what, problem):\n    print(f'check {i}/{n} {what}: PASS')")),
@@ -333,6 +374,9 @@ WRONG: dict[str, dict[str, Wrong]] = {
         "a check cell untagged": Wrong("tampered", [RING_LEFT], "tags", untag_check(2)),
     },
     "04_gloo_bootstrap": {
+        "a result that patches the grader when rebuilt": Wrong(
+            "tampered", [gloo(ret="Forged(), port")], "does not rebuild",
+            learner_adds("import pickle\n" + SMUGGLED_RESULT)),
         "the source's hard-coded port 29500": Wrong("point", ["""
             dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29500",
                                     rank=comm.rank, world_size=comm.size,
@@ -422,6 +466,15 @@ WRONG: dict[str, dict[str, Wrong]] = {
             for t in model.parameters():
                 comm.Bcast(t.detach().numpy(), root=root)""", RIGHT], "running_mean",
                                                     saved("PASS")),
+        "max_spread compares each rank only with its ring neighbour": Wrong("size", [RIGHT, """
+            spread = 0.0
+            for t in [*model.parameters(), *model.buffers()]:
+                mine = t.detach().numpy().astype(np.float64)
+                left = np.empty_like(mine)
+                comm.Sendrecv(mine, dest=(comm.rank + 1) % comm.size, recvbuf=left,
+                              source=(comm.rank - 1) % comm.size)
+                spread = max(spread, float(np.abs(mine - left).max()))
+            return comm.allreduce(spread, op=MPI.MAX)"""], "at 4 ranks"),
         "per_rank replaced in the learner's cell": Wrong(
             "tampered", [UNSOLVED, UNSOLVED], "rebinds `per_rank`",
             learner_adds("def per_rank(results, test):\n    return None")),
