@@ -43,10 +43,7 @@ EXERCISES = [e.name for e in course.entries("exercises")]
 MAKE_TIMEOUT = 900  # s for `make book`, a pip check of the venv included; a bound on a hang
 # Lessons whose stored notebook has a plotting cell without its image (the build names
 # them too). Another change re-executes these notebooks; drop an entry once it lands.
-KNOWN_MISSING_FIGURES = {
-    "04_four_backends": "cell 37 (plt.show()) stored no image in notebooks/04_four_backends",
-    "06_mnist_vae": "cell 13 (plt.show()) stored no image in notebooks/06_mnist_vae",
-}
+KNOWN_MISSING_FIGURES: dict[str, str] = {}
 
 
 def _solution_lines(name: str) -> set[str]:
