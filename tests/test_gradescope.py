@@ -128,7 +128,8 @@ def test_the_command_line_writes_results_and_feedback_for_every_learner(tmp_path
             assert result["score"] == 0 and result["extra_data"]["learner"] == learner
             assert len(result["tests"]) == _checks(SOLUTIONS / f"{name}.ipynb")
         text = (out / "_feedback" / f"{learner}.md").read_text()
-        assert text.startswith(f"# Feedback for {learner}") and f"0 of {len(NAMES)} exercises pass" in text
+        assert text.startswith(f"# Feedback for {learner}")
+        assert f"0 of {len(NAMES)} exercises pass" in text
     ann = json.loads((out / "_gradescope" / "ann" / NAMES[0] / "results.json").read_text())
     assert "not valid JSON" in ann["tests"][0]["output"]
     bob = (out / "_feedback" / "bob.md").read_text()
