@@ -325,7 +325,8 @@ def _bench_fails(capsys, argv, match):
 @pytest.mark.parametrize(("argv", "match"), [
     (["franke", "--backends", "mpi", "carrier-pigeon"], "invalid choice"),
     (["franke", "--ranks", "0", "2"], "at least 1"),
-    (["franke", "--ranks", "1", "8", "--points", "4", "--batch-size", "8"], "fewer ranks"),
+    (["franke", "--ranks", "8", "--points", "4", "--batch-size", "8"], "fewer ranks"),
+    (["franke", "--ranks", "1", "8", "--points", "4", "--batch-size", "8"], "at most 4"),
     (["franke", "--ranks", "3", "--quick"], "divisible"),
     (["franke", "--scaling", "diagonal"], "invalid choice"),
     (["franke", "--ranks", "4096"], "--oversubscribe"),

@@ -378,6 +378,12 @@ def zero_model() -> torch.nn.Module:
     return make_model().double()
 
 
+def slice_trial(my_slice: Callable, ns: list[int]) -> list[tuple[int, ...]]:
+    """This rank's ``my_slice(n, rank, size)`` for every n, as plain integers."""
+    comm = world()
+    return [tuple(int(v) for v in my_slice(n, comm.rank, comm.size)) for n in ns]
+
+
 def zero_trial(my_slice: Callable, sharded_step: Callable, steps: int) -> dict:
     """ZeRO on this rank: its slice (the learner's ``my_slice``), AdamW on it, ``steps``
     steps of the learner's ``sharded_step``; the flat parameters after each step.
