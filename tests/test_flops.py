@@ -44,3 +44,13 @@ def test_limit_rows_divide_achieved_by_the_limit() -> None:
               "flops_per_sample": None, "matmul_flops": None}]
     (row,) = limit_rows(table)  # rows without a measurement are left out
     assert row["achieved"] == pytest.approx(6e7) and row["fraction"] == pytest.approx(0.05)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_limit_is_the_gpus() -> None:
+    """The loop on a GPU is compared with the GPU's matmul rate, not the CPU's."""
+    import torch
+
+    cpu = matmul_rate(seconds=0.1, device="cpu")
+    gpu = matmul_rate(seconds=0.1, device=torch.device("cuda", 0))
+    assert gpu > 10 * cpu, (gpu, cpu)

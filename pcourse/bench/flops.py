@@ -6,7 +6,9 @@ its floating-point operations per sample are counted by torch's own
 and the loop's achieved FLOP/s is that count times the samples it processed per
 second. The limit beside it is measured, not looked up: every rank multiplies
 square float32 matrices at the loop's own threads, all ranks at once (they share the
-machine as they do in training), and the ranks' rates are summed.
+machine as they do in training), and the ranks' rates are summed. On a GPU the
+limit is the GPU's: the matrices live on the model's device, larger ones (a GPU
+reaches its peak only on big products), timed after a synchronize.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 # table without it.
 
 MATMUL_SIZE = 512  # big enough to run near the math library's peak, small enough to be quick
+GPU_MATMUL_SIZE = 4096
 MATMUL_SECONDS = 0.3  # per rank, split over a few timed rounds (the best one counts)
 
 
@@ -34,17 +37,24 @@ def flops_per_sample(workload: Any, model: Any, n: int = 64) -> float:
     return counter.get_total_flops() / n
 
 
-def matmul_rate(size: int = MATMUL_SIZE, seconds: float = MATMUL_SECONDS) -> float:
-    """This process's best float32 matmul FLOP/s at its current torch threads."""
+def matmul_rate(size: int | None = None, seconds: float = MATMUL_SECONDS,
+                device: Any = "cpu") -> float:
+    """This process's best float32 matmul FLOP/s on ``device`` (on the CPU: at its current
+    torch threads)."""
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    device = torch.device(device)
+    size = size or (GPU_MATMUL_SIZE if device.type == "cuda" else MATMUL_SIZE)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
     torch.mm(a, b)  # the first call pays for the kernel's set-up
+    sync()
     best, spent, reps = 0.0, 0.0, 1
     while spent < seconds:
         start = time.perf_counter()
         for _ in range(reps):
             torch.mm(a, b)
+        sync()
         took = time.perf_counter() - start
         spent += took
         best = max(best, 2 * size**3 * reps / took)
@@ -60,6 +70,7 @@ def limit_rows(table: list[dict]) -> list[dict]:
             continue
         achieved = t["flops_per_sample"] * t["throughput"]
         out.append({"backend": t["backend"], "ranks": t["ranks"], "threads": t["threads"],
+                    "device": t.get("device", "cpu"),
                     "achieved": achieved, "limit": t["matmul_flops"],
                     "fraction": achieved / t["matmul_flops"]})
     return out
@@ -72,8 +83,9 @@ def print_limits(table: list[dict]) -> None:
         return
     print("\ntraining loop against this machine's matmul rate (all ranks at once, the loop's "
           "threads per rank)")
-    print(f"{'backend':>10} {'ranks':>5} {'threads':>7} {'loop GFLOP/s':>13} "
+    print(f"{'backend':>10} {'device':>6} {'ranks':>5} {'threads':>7} {'loop GFLOP/s':>13} "
           f"{'matmul GFLOP/s':>15} {'loop / matmul':>13}")
     for r in rows:
-        print(f"{r['backend']:>10} {r['ranks']:>5} {r['threads']:>7} {r['achieved'] / 1e9:>13.2f} "
+        print(f"{r['backend']:>10} {r['device']:>6} {r['ranks']:>5} {r['threads']:>7} "
+              f"{r['achieved'] / 1e9:>13.2f} "
               f"{r['limit'] / 1e9:>15.2f} {r['fraction']:>13.2f}")

@@ -200,7 +200,7 @@ def compute_limit(comm: Any, wl: Any, model: Any, threads: int) -> dict:
     per_sample = flops_per_sample(wl, model)
     comm.Barrier()  # all ranks multiply at once: they share the cores as in training
     with using(threads):
-        rate = matmul_rate()
+        rate = matmul_rate(device=wl.device)
     return {"flops_per_sample": per_sample, "matmul_flops": comm.allreduce(rate)}
 
 
