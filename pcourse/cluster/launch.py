@@ -123,12 +123,13 @@ PRIVATE_TMP = "1g"  # at most, for its /tmp: the only other place it may write
 
 # Run inside the new namespaces, before the command: every mount read-only, a private
 # /dev/shm and /tmp (size-limited tmpfs) as the only writable places, the folder named
-# by $1 (the cluster's own) kept in the new /tmp, and each further argument up to "--"
-# hidden under an empty read-only folder (a file: under /dev/null). Then the check that
-# it worked, and the command.
+# by $1 (the cluster's own) kept in the new /tmp, the folders of $2 (colon-separated:
+# the course and its Python, where they live under /tmp) seen again read-only in it,
+# and each further argument up to "--" hidden under an empty read-only folder (a file:
+# under /dev/null). Then the check that it worked, and the command.
 _ISOLATE = r"""
 set -e
-keep="$1"; shift
+keep="$1"; reveal="$2"; shift 2
 hide=""
 while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do hide="$hide
 $1"; shift; done
@@ -142,8 +143,16 @@ if [ -n "$keep" ]; then
   mkdir /dev/shm/.keep && mount -n --bind "$keep" /dev/shm/.keep
   mount -n -o remount,bind,rw /dev/shm/.keep
 fi
+if [ -n "$reveal" ]; then mkdir /dev/shm/.tmp && mount -n --bind /tmp /dev/shm/.tmp; fi
 mount -n -t tmpfs -o size=@TMP@,mode=1777 tmpfs /tmp
 if [ -n "$keep" ]; then mkdir -p "$keep" && mount -n --move /dev/shm/.keep "$keep"; fi
+if [ -n "$reveal" ]; then
+  echo "$reveal" | tr : '\n' | while read -r r; do
+    mkdir -p "$r" && mount -n --bind "/dev/shm/.tmp${r#/tmp}" "$r"
+    mount -n -o remount,bind,ro "$r"
+  done
+  umount -n -l /dev/shm/.tmp && rmdir /dev/shm/.tmp
+fi
 echo "$hide" | while read -r h; do
   if [ -d "$h" ]; then mount -n -t tmpfs -o size=4k,mode=0555,ro tmpfs "$h"
   elif [ -e "$h" ]; then mount -n --bind /dev/null "$h"; fi
@@ -172,6 +181,7 @@ def containment(keep: str = "", hide: Sequence[str] = (), files: bool = True
       command ends or ``unshare`` itself is killed (``--kill-child``);
     - see every file read-only, except a private ``/dev/shm`` and ``/tmp`` (tmpfs of
       a bounded size, gone with them) and the folder ``keep``, kept in that ``/tmp``;
+      a course or Python that lives under ``/tmp`` is seen there again, read-only;
     - find each path of ``hide`` an empty folder (a mount namespace).
 
     ``files=False`` leaves the files alone (all but ``/dev/shm``, which stays private:
@@ -195,8 +205,8 @@ def _probe_containment(keep: str, hide: Sequence[str], files: bool) -> tuple[lis
     prefix = [unshare, "--pid", "--fork", "--mount", "--mount-proc", "--kill-child"]
     if os.geteuid() != 0:
         prefix[1:1] = ["--user", "--map-root-user"]
-    prefix += ["sh", "-c", _ISOLATE, "sh", keep, *hide, "--"] if files else \
-        ["sh", "-c", _SHM_ONLY, "sh"]
+    prefix += ["sh", "-c", _ISOLATE, "sh", keep, ":".join(_under_tmp()), *hide, "--"] \
+        if files else ["sh", "-c", _SHM_ONLY, "sh"]
     probe = [*prefix, "sh", "-c", 'test -z "$1" || test -w "$1"', "sh", keep]
     try:
         done = subprocess.run(probe, capture_output=True, text=True, timeout=20)
@@ -206,6 +216,17 @@ def _probe_containment(keep: str, hide: Sequence[str], files: bool) -> tuple[lis
         why = (done.stderr.strip().splitlines() or ["no reason given"])[-1]
         return [], f"this machine refuses the namespaces ({why})"
     return prefix, ""
+
+
+def _under_tmp() -> list[str]:
+    """The course and the Python running it, where they live under /tmp (a clone there):
+    a contained job's private /tmp would hide them; the outermost of each, once."""
+    tmp = Path("/tmp").resolve()
+    found = {Path(p).resolve() for p in (sys.prefix, Path(sys.executable).resolve().parents[1],
+                                         Path(__file__).resolve().parents[2])}
+    found = {p for p in found if p != tmp and p.is_relative_to(tmp)}
+    return sorted(str(p) for p in found if not any(p != q and p.is_relative_to(q)
+                                                   for q in found))
 
 
 def max_engines() -> int:
