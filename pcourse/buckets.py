@@ -10,6 +10,12 @@ it. Lesson 07 explains why both help, and measures them against DDP. Usage::
     reducer.finish()                                # wait; p.grad is the average
     optimizer.step(); optimizer.zero_grad()
 
+``drive_progress`` makes every gradient hook also *test* the buckets in flight:
+an MPI library without a progress thread of its own advances a nonblocking
+allreduce only inside MPI calls, and a test is such a call (lesson 07 measures
+the difference). Other backends move the bytes on threads of their own; for them
+a test only asks.
+
 ``on_event`` watches a step without touching the reducer's internals: it is
 called with (event, bucket index) at ``"launch"`` (the bucket is about to be
 sent), ``"launched"`` (the call returned; with overlap the reduction is in
@@ -112,6 +118,7 @@ class BucketedAllreduce:
         bucket_cap_mb: float = 25.0,
         overlap: bool = True,
         on_event: EventHook | None = None,
+        drive_progress: bool = False,
     ) -> None:
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
@@ -119,7 +126,7 @@ class BucketedAllreduce:
         check_same_model(params, backend, "model (the parameters that require grad)")
         if not params:
             raise ValueError("the model has no parameter with requires_grad=True to reduce")
-        self.backend, self.overlap = backend, overlap
+        self.backend, self.overlap, self.drive_progress = backend, overlap, drive_progress
         self.on_event: EventHook = on_event or (lambda event, b: None)
         cap = max(1, int(bucket_cap_mb * 2**20))
         self.buckets = [_make_bucket(group) for group in plan_buckets(params, cap)]
@@ -179,6 +186,9 @@ class BucketedAllreduce:
                 "reducer.no_sync() to accumulate gradients"
             )
         self._stage(bucket, i)
+        if self.drive_progress:
+            for earlier in self.buckets[:self._next]:
+                earlier.work.test()
         self._launch_in_order()
 
     def _launch_in_order(self) -> None:

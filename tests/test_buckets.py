@@ -194,3 +194,51 @@ def test_event_hook_sees_every_bucket_in_order(one_rank, overlap: bool) -> None:
         launches = [(b, where) for e, b, where in events if e == "launch"]
         assert [b for b, _ in launches] == list(range(n))
         assert {where for _, where in launches} == {"backward" if overlap else "finish"}
+
+
+def test_drive_progress_tests_the_buckets_in_flight_from_the_hooks(one_rank) -> None:
+    """With drive_progress, each gradient hook tests every bucket already launched (an MPI
+    request moves only inside MPI calls); without it, nothing is tested."""
+    from pcourse.backends import Work
+
+    tested: list[int] = []
+
+    class Counted(Work):
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def test(self) -> bool:
+            tested.append(self.k)
+            return False
+
+    for drive in (True, False):
+        tested.clear()
+        backend = one_rank()
+        launched = iter(range(100))
+        backend.allreduce_async = (lambda t, op="sum", *, check=True, ids=launched:
+                                   Counted(next(ids)))
+        model = mlp()
+        reducer = BucketedAllreduce(model, backend, bucket_cap_mb=TINY_CAP_MB,
+                                    drive_progress=drive)
+        model(torch.randn(3, 4)).sum().backward()
+        reducer.finish()
+        n = len(reducer.buckets)
+        assert n >= 3
+        if drive:  # the first bucket is tested by every later hook
+            assert set(tested) == set(range(n - 1)) and tested.count(0) > tested.count(n - 2)
+        else:
+            assert tested == []
+
+
+def test_a_pending_collective_says_whether_it_is_done() -> None:
+    from pcourse.backends.base import Pending
+
+    done = [False]
+    waited = []
+    work = Pending(lambda: waited.append(1), test=lambda: done[0])
+    assert not work.test()
+    done[0] = True
+    assert work.test() and not waited  # testing never waits
+    work.wait()
+    assert work.test() and waited == [1]
+    assert not Pending(lambda: None).test()  # without a test: not known to be done

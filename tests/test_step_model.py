@@ -61,3 +61,17 @@ def test_trace_summary_reads_the_hidden_share() -> None:
     assert s["hidden"] == pytest.approx(6 / 8)
     assert s["exposed_ms"] == pytest.approx(1.5)
     assert s["backward_ms"] == pytest.approx(10.0)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_the_progress_modes_each_trace_the_step_and_the_thread_is_really_started() -> None:
+    traces = trace.record_progress(2, workload="franke", repeats=1, timeout=240)
+    assert list(traces) == list(trace.PROGRESS)
+    for mode, (t,) in traces.items():
+        ranks = trace.summary(t)
+        assert [s["rank"] for s in ranks] == [0, 1] and all(s["buckets"] for s in ranks), mode
+    table = {r["mode"]: r for r in trace.progress_table(traces)}
+    # MPICH's progress thread is one more thread in each rank process, and only with it on
+    assert table["progress thread"]["threads"] == table["inside MPI calls"]["threads"] + 1
+    assert table["tested in hooks"]["threads"] == table["inside MPI calls"]["threads"]

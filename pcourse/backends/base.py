@@ -80,6 +80,11 @@ class Work:
     def wait(self) -> None:  # a completed operation: nothing to wait for
         return None
 
+    def test(self) -> bool:
+        """Whether the operation has completed, without blocking. On MPI this call is
+        also what moves a nonblocking collective along (lesson 07)."""
+        return True
+
 
 class Pending(Work):
     """A started collective: ``wait()`` calls ``wait_for`` once, then ``finish``.
@@ -88,8 +93,14 @@ class Pending(Work):
     """
 
     def __init__(self, wait_for: Callable[[], None], finish: Callable[[], None] | None = None,
-                 keep: tuple = ()) -> None:
+                 keep: tuple = (), test: Callable[[], bool] | None = None) -> None:
         self._wait_for, self._finish, self._keep = wait_for, finish, keep
+        self._test = test
+
+    def test(self) -> bool:
+        if self._wait_for is None:
+            return True
+        return self._test() if self._test is not None else False
 
     def wait(self) -> None:
         if self._wait_for is None:

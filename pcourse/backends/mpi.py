@@ -107,7 +107,8 @@ class MPIBackend(_MPICommBackend, AsyncBackend):
             if staged:
                 tensor.detach().copy_(host)
 
-        return Pending(lambda: self._wait(request, "allreduce"), finish, keep=(tensor, host))
+        return Pending(lambda: self._wait(request, "allreduce"), finish, keep=(tensor, host),
+                       test=request.Test)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0, *,
                   check: bool = True) -> torch.Tensor:

@@ -186,7 +186,8 @@ class _TorchBackend(AsyncBackend):
                 buf.div_(divide)
             _copy_back(tensor, buf)
 
-        return Pending(lambda: self._wait(handle, "allreduce"), finish, keep=(tensor, buf))
+        return Pending(lambda: self._wait(handle, "allreduce"), finish, keep=(tensor, buf),
+                       test=handle.is_completed)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0, *,
                   check: bool = True) -> torch.Tensor:

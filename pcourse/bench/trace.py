@@ -11,12 +11,20 @@ time in flight, from its launch to the end of its wait: an upper bound on when
 the reduction really ended. :func:`write` saves the JSON atomically (open it at
 https://ui.perfetto.dev); :func:`summary` reads the numbers back from the trace;
 :func:`plot` draws it. Lesson 07 uses all of them.
+
+:func:`record_progress` traces the overlapped MPI step three ways (:data:`PROGRESS`),
+each in an MPI job of its own, because MPICH reads its progress setting once, when
+MPI starts: as MPICH is configured, a nonblocking allreduce moves only inside MPI
+calls; with the reducer's hooks testing the requests in flight; with MPICH's
+asynchronous progress thread. ``python -m pcourse.bench.trace`` is one such job's rank.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,10 +33,22 @@ from pcourse.utils.io import atomic_write
 
 PHASES = ("forward", "backward", "finish", "optimizer")
 MiB = 1 << 20
+# How an MPI allreduce in flight moves: mode -> (the environment MPICH starts with, what it means)
+PROGRESS = {
+    "inside MPI calls": ({"MPIR_CVAR_ASYNC_PROGRESS": "0"},
+                         "MPICH as the course runs it: no thread of its own; the request "
+                         "moves when the rank is in an MPI call, mostly in finish()'s wait"),
+    "tested in hooks": ({"MPIR_CVAR_ASYNC_PROGRESS": "0"},
+                        "the same, and every gradient hook tests the requests in flight "
+                        "(BucketedAllreduce(drive_progress=True))"),
+    "progress thread": ({"MPIR_CVAR_ASYNC_PROGRESS": "1"},
+                        "MPICH's asynchronous progress thread: it moves requests while "
+                        "backward runs, spinning on a core of its own"),
+}
 
 
 def record_step(workload: str = "mnist", backend: str = "gloo", cap: int = MiB,
-                overlap: bool = True, steps: int = 4) -> dict:
+                overlap: bool = True, steps: int = 4, drive_progress: bool = False) -> dict:
     """On every engine: ``steps`` steps, the last profiled; its events, in ms from its start.
 
     Collective: every engine must call it with the same arguments.
@@ -68,7 +88,8 @@ def record_step(workload: str = "mnist", backend: str = "gloo", cap: int = MiB,
 
     with make_backend(backend) as be:
         model = copy.deepcopy(wl.model)
-        reducer = BucketedAllreduce(model, be, cap / MiB, overlap=overlap, on_event=on_event)
+        reducer = BucketedAllreduce(model, be, cap / MiB, overlap=overlap, on_event=on_event,
+                                    drive_progress=drive_progress)
         opt, _ = wl.make_optimizer(model)
 
         def step() -> None:
@@ -99,7 +120,9 @@ def record_step(workload: str = "mnist", backend: str = "gloo", cap: int = MiB,
     finally:
         os.unlink(tmp)
     return {"rank": comm.rank, "buckets": buckets, "overlap": overlap, "backend": backend,
-            "workload": workload, "cap": cap, "events": _keep(raw)}
+            "workload": workload, "cap": cap, "drive_progress": drive_progress,
+            "events": _keep(raw)}
+
 
 
 def _keep(raw: list[dict]) -> list[dict]:
@@ -201,3 +224,78 @@ def plot(trace: dict, ax: Any, rank: int = 0, title: str = "") -> None:
     ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper right")
     ax.set_yticks([3, 2.4, 1.6], ["step", "autograd nodes", "buckets (black: launch, wait)"])
     ax.set_title(title, fontsize=9)
+
+
+
+def record_progress(ranks: int = 2, workload: str = "mnist", cap: int = MiB, repeats: int = 3,
+                    timeout: float = 300.0) -> dict[str, list[dict]]:
+    """The overlapped MPI step traced in each :data:`PROGRESS` mode: mode -> Chrome traces,
+    one per repeat. One MPI job per mode, one torch thread per rank (as the benchmarks);
+    each trace's ``otherData`` says how many threads the rank process had."""
+    from pcourse.cluster.launch import mpirun_rows
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    traces = {}
+    for mode, (env, _) in PROGRESS.items():
+        args = ["-m", "pcourse.bench.trace", "--workload", workload, "--cap", str(cap),
+                "--repeats", str(repeats), *(["--drive-progress"] if "hooks" in mode else [])]
+        rows, _ = mpirun_rows(ranks, args, timeout=timeout,
+                              env={**env, "OMP_NUM_THREADS": "1"})
+        traces[mode] = []
+        for k in range(repeats):
+            records = [r for r in rows if r["repeat"] == k]
+            trace = chrome_trace(records)
+            trace["otherData"]["threads"] = max(r["threads"] for r in records)
+            traces[mode].append(trace)
+    return traces
+
+
+def progress_table(traces: dict[str, list[dict]]) -> list[dict]:
+    """Per mode: the median over repeats of the slowest rank's communication left after
+    backward (ms), of the share in flight inside backward, and the rank's threads."""
+    import statistics
+
+    rows = []
+    for mode, repeats in traces.items():
+        summaries = [summary(t) for t in repeats]
+        rows.append({"mode": mode,
+                     "exposed_ms": statistics.median(max(s["exposed_ms"] for s in r)
+                                                     for r in summaries),
+                     "backward_ms": statistics.median(max(s["backward_ms"] for s in r)
+                                                      for r in summaries),
+                     "hidden": statistics.median(min(s["hidden"] for s in r) for r in summaries),
+                     "threads": repeats[0]["otherData"]["threads"]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank of :func:`record_progress`'s job: trace the step, rank 0 reports every rank's."""
+    import psutil
+    from mpi4py import MPI
+
+    from pcourse.cluster.launch import report_rows
+
+    p = argparse.ArgumentParser(prog="python -m pcourse.bench.trace",
+                                description="One rank of a traced MPI step (record_progress).")
+    p.add_argument("--workload", choices=("franke", "mnist"), default="mnist")
+    p.add_argument("--cap", type=int, default=MiB)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--drive-progress", action="store_true")
+    args = p.parse_args(argv)
+    mine = []
+    for k in range(args.repeats):
+        record = record_step(args.workload, "mpi", args.cap, overlap=True,
+                             drive_progress=args.drive_progress)
+        # threads of this process: MPICH's progress thread, if it started, is one of them
+        mine.append({**record, "repeat": k, "threads": psutil.Process().num_threads()})
+    rows = MPI.COMM_WORLD.gather(mine, root=0)
+    if MPI.COMM_WORLD.rank == 0:
+        rows = [r for rank_rows in rows for r in rank_rows]
+        if not report_rows(rows):
+            json.dump(rows, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

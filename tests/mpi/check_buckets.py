@@ -141,9 +141,10 @@ def ddp(model: nn.Module):
     return net, lambda: None, net.no_sync
 
 
-def bucketed(backend: Backend, overlap: bool, cap: float, seen: list[int]):
+def bucketed(backend: Backend, overlap: bool, cap: float, seen: list[int], drive: bool = False):
     def wrap(model: nn.Module):
-        reducer = BucketedAllreduce(model, backend, bucket_cap_mb=cap, overlap=overlap)
+        reducer = BucketedAllreduce(model, backend, bucket_cap_mb=cap, overlap=overlap,
+                                    drive_progress=drive)
         seen.append(len(reducer.buckets))
         return model, reducer.finish, reducer.no_sync
     return wrap
@@ -170,6 +171,8 @@ def check(backends: dict[str, Backend]) -> list[str]:
                     compare(got, ref, what + " vs reference", failures)
                     if cap < 1 and seen[0] < 2:
                         failures.append(f"{what}: expected several buckets, got {seen[0]}")
+            got = parallel(name, bucketed(backend, True, TINY_CAP_MB, [], drive=True))
+            compare(got, ref, f"{name} {bname} requests tested in the hooks", failures)
     for name in ("mlp", "branchy"):  # gradient accumulation
         ref = reference(name, micros=2)
         one = reference(name)
