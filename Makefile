@@ -26,6 +26,14 @@ EXTRAS ?= test
 STAMP := $(VENV)/.pcourse-installed
 # mpiexec and hydra_pmi_proxy come from the mpich wheel and live in the venv's bin/.
 RUN := PATH="$(BIN):$$PATH"
+# An offline copy of MNIST beside the course (a workshop's, CI's): the lessons and tests read
+# it through PCOURSE_MNIST_DIR, which a value of your own overrides.
+MNIST_BESIDE := $(abspath ../shared/data/mnist)
+ifeq ($(origin PCOURSE_MNIST_DIR),undefined)
+ifneq ($(wildcard $(MNIST_BESIDE)),)
+export PCOURSE_MNIST_DIR := $(MNIST_BESIDE)
+endif
+endif
 # JupyterLab opens the whole course (lessons, exercises, solutions), landing on its index.
 LAB_ROOT ?= .
 LAB_INDEX ?= index.ipynb

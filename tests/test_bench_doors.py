@@ -75,7 +75,7 @@ def test_scaling_same_losses_through_both_doors(view, tmp_path: Path, capsys) ->
 def test_comm_rows_of_the_same_shape_through_both_doors(view, tmp_path: Path) -> None:
     rows = comm.run_on(view, COMM, progress=False)
     out = tmp_path / "c.csv"
-    cli("comm", "--quick", "--methods", *COMM.methods, "--max-bytes", "1024", "--out", str(out))
+    cli("comm", "--smoke", "--methods", *COMM.methods, "--max-bytes", "1024", "--out", str(out))
     from_cli = read(out)
     grid = {(2, m, n) for m in COMM.methods for n in COMM.sizes()}
     assert {(r["ranks"], r["method"], r["bytes"]) for r in rows} == grid
@@ -88,7 +88,7 @@ def test_comm_rows_of_the_same_shape_through_both_doors(view, tmp_path: Path) ->
 def test_steps_rows_of_the_same_shape_through_both_doors(view, tmp_path: Path) -> None:
     rows = steps.run_on(view, STEPS, progress=False)
     out = tmp_path / "s.csv"
-    cli("steps", "--quick", "--workloads", "franke", "--out", str(out))
+    cli("steps", "--smoke", "--workloads", "franke", "--out", str(out))
     from_cli = read(out)
     key = [(r["workload"], int(r["ranks"]), r["path"], r["backend"]) for r in from_cli]
     assert [(r["workload"], r["ranks"], r["path"], r["backend"]) for r in rows] == key

@@ -25,7 +25,7 @@ def commbench(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[s
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("commbench") / "commbench.csv"
-    return commbench("--quick", "--out", str(out)), out
+    return commbench("--smoke", "--out", str(out)), out
 
 
 @pytest.mark.slow
@@ -89,7 +89,7 @@ def test_busbw_uses_the_nccl_tests_factor() -> None:
 ])
 def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path: Path, bad, message) -> None:
     out = tmp_path / "commbench.csv"
-    done = commbench(*bad, "--quick", "--out", str(out), timeout=60)
+    done = commbench(*bad, "--smoke", "--out", str(out), timeout=60)
     assert done.returncode == 2
     assert message in done.stderr
     assert list(tmp_path.iterdir()) == []
@@ -98,7 +98,7 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path: Path, bad, mess
 @pytest.mark.mpi
 def test_a_job_out_of_time_leaves_no_partial_results(tmp_path: Path) -> None:
     out = tmp_path / "commbench.csv"
-    done = commbench("--quick", "--timeout", "0.5", "--out", str(out), timeout=60)
+    done = commbench("--smoke", "--timeout", "0.5", "--out", str(out), timeout=60)
     assert done.returncode == 1
     assert "No results written" in done.stderr and "did not finish" in done.stderr
     assert "Traceback" not in done.stderr
@@ -106,13 +106,14 @@ def test_a_job_out_of_time_leaves_no_partial_results(tmp_path: Path) -> None:
 
 
 def test_presets() -> None:
-    smoke = parse_args(["--quick"]).spec
+    smoke = parse_args(["--smoke"]).spec
     assert smoke == CommSpec.smoke()
+    assert parse_args(["--quick"]).spec == CommSpec.quick()  # the lessons' quick mode
     assert smoke.ranks == (2,) and smoke.max_bytes <= 64 << 10 and smoke.max_iters <= 2
     assert parse_args([]).spec == CommSpec() and CommSpec().ranks == (2, 4)
     assert CommSpec().max_bytes == 64 << 20
     lesson = CommSpec.quick()
     assert lesson.max_bytes >= 4 << 20  # reaches the headline's 4 MiB
     assert lesson.warmup >= 2 and lesson.min_iters >= 5  # medians of warm calls
-    changed = parse_args(["--quick", "--max-bytes", "1K", "--methods", "mpi", "ring"]).spec
+    changed = parse_args(["--smoke", "--max-bytes", "1K", "--methods", "mpi", "ring"]).spec
     assert changed.max_bytes == 1024 and changed.methods == ("mpi", "ring")

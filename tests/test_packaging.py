@@ -271,3 +271,16 @@ def test_a_missing_cupy_is_told_the_extra_of_its_torch(monkeypatch, cuda, says):
 
     monkeypatch.setattr(torch.version, "cuda", cuda)
     assert says in extra_hint()
+
+
+def test_every_pcourse_variable_is_in_the_contributors_table() -> None:
+    """Each PCOURSE_* name the package, its tests or the Makefile read is documented once."""
+    import re
+
+    table = (REPO / "CONTRIBUTING.md").read_text().split("### Environment variables")[1]
+    documented = set(re.findall(r"`(PCOURSE_[A-Z_]+)`", table.split("\n## ")[0]))
+    used = set()
+    for path in [*REPO.glob("pcourse/**/*.py"), *REPO.glob("tests/**/*.py"), REPO / "Makefile"]:
+        used |= set(re.findall(r"\b(PCOURSE_[A-Z_]*[A-Z])\b", path.read_text()))
+    assert used - documented == set(), "document these in CONTRIBUTING.md's table"
+    assert documented - used == set(), "the table names variables nothing reads"

@@ -25,7 +25,7 @@ def make_model(workload: str):
 @pytest.mark.mpi
 def test_quick_run_writes_every_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "steps.csv"
-    assert stepbench.main(["--quick", "--out", str(out), "--timeout", "150"]) == 0
+    assert stepbench.main(["--smoke", "--out", str(out), "--timeout", "150"]) == 0
     rows = list(csv.DictReader(out.open()))
     caps = stepbench.StepSpec.smoke().caps
     expected = {(kind, backend, "" if cap is None else str(cap))

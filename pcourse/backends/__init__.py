@@ -52,10 +52,13 @@ _IMPLEMENTATIONS = {
 }
 
 
-def make_backend(name: str, **kwargs: Any) -> Backend:
+def make_backend(name: str, *, comm: Any = None, device: Any = None,
+                 timeout: float | None = None) -> Backend:
     """Create the backend called ``name`` (see BACKENDS) on this rank.
 
-    ``kwargs``: ``comm``, ``device``, ``timeout``, the same for every backend.
+    ``comm``: the MPI communicator whose ranks take part (default: every rank);
+    ``device``: where its tensors live (default: the rank's GPU for NCCL, else the CPU);
+    ``timeout``: seconds a collective may wait for a peer (default: the course's).
     Raises BackendUnavailable, with the reason, where this machine cannot run it.
     Creating a backend again in the same process (a re-run cell) is fine.
     """
@@ -63,7 +66,7 @@ def make_backend(name: str, **kwargs: Any) -> Backend:
     reason = unavailable_reason(name)
     if reason:
         raise BackendUnavailable(f"backend {name!r} cannot run here: {reason}")
-    return cls(**kwargs)
+    return cls(comm=comm, device=device, timeout=timeout)
 
 
 def backend_class(name: str) -> type[Backend]:

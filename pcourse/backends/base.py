@@ -118,6 +118,12 @@ def check_op(op: str) -> str:
     return op
 
 
+def divides_first(tensor: torch.Tensor, op: str) -> bool:
+    """Whether ``avg`` divides before it sums: in 16 bits a sum over many ranks can
+    overflow (float16 tops out at 65504) where the same sum of the shares cannot."""
+    return op == "avg" and str(tensor.dtype) in ("torch.float16", "torch.bfloat16")
+
+
 def check_avg_dtype(tensor: torch.Tensor, op: str) -> None:
     """Refuse ``avg`` of an integer tensor: sum / size does not fit in place.
 

@@ -29,7 +29,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from pcourse.backends.base import Backend, BackendUnavailable, collective_timeout, private_comm
+from pcourse.backends.base import (
+    Backend,
+    BackendUnavailable,
+    collective_timeout,
+    divides_first,
+    private_comm,
+)
 from pcourse.cluster.interrupts import CollectiveTimeout, wait_until
 
 # torch dtype -> name of the constant in cupy.cuda.nccl (looked up lazily).
@@ -115,9 +121,12 @@ class CupyNCCLBackend(Backend):
         t = tensor.detach()
         buf = t if t.is_contiguous() else t.contiguous()
         stream = torch.cuda.current_stream(self.device).cuda_stream
+        first = divides_first(buf, op)
+        if first:
+            buf.div_(self.size)  # same stream: runs before the reduction
         self._live().allReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(),
                                self._dtype(buf.dtype), getattr(self._nccl, _OPS[op]), stream)
-        if op == "avg":
+        if op == "avg" and not first:
             buf.div_(self.size)  # same stream: runs after the reduction
         if buf.data_ptr() != tensor.data_ptr():
             tensor.detach().copy_(buf)

@@ -32,6 +32,7 @@ from pcourse.backends.base import (
     Pending,
     Work,
     collective_timeout,
+    divides_first,
     private_comm,
 )
 from pcourse.cluster.interrupts import wait_request
@@ -99,10 +100,13 @@ class MPIBackend(_MPICommBackend, AsyncBackend):
                         check: bool = True) -> Work:
         self._agree(tensor, check, op=op)
         host, staged = self._host_buffer(tensor, reduce=True)
+        first = divides_first(host, op)  # float16 summed natively (bfloat16 is widened)
+        if first:
+            host.div_(self.size)
         request = self._live().Iallreduce(self._MPI.IN_PLACE, host.numpy(), self._op(op))
 
         def finish() -> None:
-            if op == "avg":
+            if op == "avg" and not first:
                 host.div_(self.size)
             if staged:
                 tensor.detach().copy_(host)
@@ -211,11 +215,14 @@ class MPIPickleBackend(_MPICommBackend):
                   check: bool = True) -> torch.Tensor:
         self._agree(tensor, check, op=op)
         host = tensor.detach().cpu()
+        first = divides_first(host, op)
+        if first:
+            host = host / self.size
         if self.keeps_deadline:
             result = self.allreduce_objects(host, self._ops[op])
         else:
             result = self._live().allreduce(host, op=self._ops[op])  # the source's call
-        if op == "avg":
+        if op == "avg" and not first:
             result = result / self.size
         tensor.detach().copy_(result)
         return tensor

@@ -59,6 +59,7 @@ from pcourse.backends.base import (
     Pending,
     Work,
     collective_timeout,
+    divides_first,
     private_comm,
 )
 from pcourse.cluster.rankinfo import gpu_for, launcher, mpi_local_rank, use_gpu
@@ -177,9 +178,12 @@ class _TorchBackend(AsyncBackend):
         group = self._live()
         native_avg = op == "avg" and self.dist_backend == "nccl"
         buf = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
+        first = not native_avg and divides_first(buf, op)
+        if first:
+            buf.div_(self.size)
         handle = self._dist.all_reduce(buf, op=self._reduce_op(op, native_avg), group=group,
                                        async_op=True)
-        divide = self.size if op == "avg" and not native_avg else 0
+        divide = self.size if op == "avg" and not native_avg and not first else 0
 
         def finish() -> None:
             if divide:
@@ -601,23 +605,17 @@ def interface_address(spec: str) -> str:
     ``eth0,ib0`` lists names (NCCL treats them as prefixes, ``=eth0`` as exact);
     ``^docker`` excludes, which picks nothing here. Empty when nothing matches.
     """
-    import fcntl
-    import struct
+    import psutil
 
-    names = [n for _, n in socket.if_nameindex()]
+    ipv4 = {name: [a.address for a in addrs if a.family == socket.AF_INET]
+            for name, addrs in psutil.net_if_addrs().items()}
     for item in spec.split(","):
         item = item.strip()
         if not item or item.startswith("^"):
             continue
         exact = item.startswith("=")
         item = item.lstrip("=")
-        for name in names:
-            if name == item or (not exact and name.startswith(item)):
-                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                    try:
-                        packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
-                                             struct.pack("256s", name[:15].encode()))
-                    except OSError:  # no IPv4 address on this interface
-                        continue
-                return socket.inet_ntoa(packed[20:24])
+        for name, addresses in ipv4.items():
+            if addresses and (name == item or (not exact and name.startswith(item))):
+                return addresses[0]
     return ""

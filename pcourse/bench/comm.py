@@ -263,15 +263,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="seconds of timed calls per (method, size); sets the iterations")
     ap.add_argument("--min-iters", type=jobs.whole(1), default=None)
     ap.add_argument("--max-iters", type=jobs.whole(1), default=None)
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: seconds, not minutes (CommSpec.smoke())")
+    preset = ap.add_mutually_exclusive_group()
+    preset.add_argument("--quick", action="store_true",
+                        help="the lessons' quick mode (CommSpec.quick())")
+    preset.add_argument("--smoke", action="store_true",
+                        help="the tests' run: seconds, not minutes (CommSpec.smoke())")
     ap.add_argument("--timeout", type=jobs.seconds, default=900.0, help="seconds for the MPI job")
     ap.add_argument("--oversubscribe", action="store_true",
                     help="run even with far more ranks than this machine has cores")
     ap.add_argument("--out", type=Path, default=Path("results/commbench.csv"))
     ap.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
     args = ap.parse_args(argv)
-    base = CommSpec.smoke() if args.quick else CommSpec()
+    base = (CommSpec.smoke() if args.smoke else CommSpec.quick() if args.quick
+            else CommSpec())
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(CommSpec)
              if getattr(args, f.name, None) is not None}
     given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}

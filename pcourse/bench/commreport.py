@@ -34,8 +34,7 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict]:
         for key in ("ranks", "bytes", "iterations"):
             r[key] = int(r[key])
         for key in FIELDS[4:]:
-            if key in r:  # older CSVs lack the quartiles and the mean
-                r[key] = float(r[key])
+            r[key] = float(r[key])
     return rows
 
 

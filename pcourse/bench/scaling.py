@@ -275,8 +275,8 @@ def aggregate(rows: list[dict]) -> list[dict]:
                       "scaling": runs[-1]["scaling"],
                       "mean": statistics.fmean(times), "std": _std(times),
                       "wall": statistics.fmean(walls), "wall_std": _std(walls),
-                      "per_step": statistics.fmean(_get(runs, "time_per_step")),
-                      "throughput": statistics.fmean(_get(runs, "samples_per_s")),
+                      "per_step": statistics.fmean(float(r["time_per_step"]) for r in runs),
+                      "throughput": statistics.fmean(float(r["samples_per_s"]) for r in runs),
                       "loss": runs[-1]["final_loss"],
                       "threads": runs[-1].get("threads", ""),
                       **_first(runs, "flops_per_sample", "matmul_flops")})
@@ -294,9 +294,9 @@ def aggregate(rows: list[dict]) -> list[dict]:
 
 
 def _device(runs: list[dict]) -> str:
-    """The device type a configuration's runs trained on ("cpu", "cuda"; "?" in older
-    CSVs); a comma-separated list if its runs disagree."""
-    kinds = dict.fromkeys(str(r.get("device") or "?").split(":")[0] for r in runs)
+    """The device type a configuration's runs trained on ("cpu", "cuda"); a
+    comma-separated list if its runs disagree."""
+    kinds = dict.fromkeys(str(r["device"]).split(":")[0] for r in runs)
     return ",".join(kinds)
 
 
@@ -309,16 +309,6 @@ def mixed_devices(table: list[dict]) -> str:
     where = ", ".join(f"{b} on {d}" for b, d in by_backend.items())
     return (f"the backends ran on different devices ({where}): their times compare the "
             "devices as well as the backends")
-
-
-def _get(runs: list[dict], key: str) -> list[float]:
-    """A derived column; computed for rows from before it existed (older CSVs)."""
-    if all(r.get(key) not in (None, "") for r in runs):
-        return [float(r[key]) for r in runs]
-    steps = [r["epochs"] * r["steps_per_epoch"] for r in runs]
-    if key == "time_per_step":
-        return [r["train_time"] / s for r, s in zip(runs, steps, strict=True)]
-    return [r["global_batch"] * s / r["train_time"] for r, s in zip(runs, steps, strict=True)]
 
 
 def _first(runs: list[dict], *keys: str) -> dict:

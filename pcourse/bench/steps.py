@@ -461,7 +461,11 @@ def parser() -> argparse.ArgumentParser:
                    help="bucket caps to sweep, in bytes or with a unit (1, 64KiB, 25MiB); "
                         "1 puts every parameter in a bucket of its own; default: "
                         + " ".join(human(c).replace(" ", "") for c in FULL_CAPS))
-    p.add_argument("--quick", action="store_true", help="2 ranks, few steps: a smoke test")
+    preset = p.add_mutually_exclusive_group()
+    preset.add_argument("--quick", action="store_true",
+                        help="the lesson's quick mode (StepSpec.quick()): 2 ranks, 4 caps")
+    preset.add_argument("--smoke", action="store_true",
+                        help="the tests' run: 2 ranks, few steps, 2 caps (StepSpec.smoke())")
     p.add_argument("--out", default="results/steps.csv", help="the CSV to write")
     p.add_argument("--timeout", type=jobs.seconds, default=900.0, help="seconds for the MPI job")
     p.add_argument("--oversubscribe", action="store_true",
@@ -492,7 +496,8 @@ def _cap(text: str) -> int:
 
 
 def spec_from(args: argparse.Namespace) -> StepSpec:
-    base = StepSpec.smoke() if args.quick else StepSpec()
+    base = (StepSpec.smoke() if args.smoke else StepSpec.quick() if args.quick
+            else StepSpec())
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(StepSpec)
              if getattr(args, f.name) is not None}
     return dataclasses.replace(base, **{k: tuple(v) if isinstance(v, list) else v

@@ -39,8 +39,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 SOURCE_ENV = "PCOURSE_SOURCE"  # where the source's parallel-nn folder is
-# Beside the checkout, as workshops keep the shared material (see workloads.mnist).
-BESIDE = Path(__file__).resolve().parents[3] / "shared" / "source" / "parallel-nn"
+# Beside the course folder (the current one), as workshops keep the shared material.
+BESIDE = Path("..") / "shared" / "source" / "parallel-nn"
 
 
 def _positive(kind: type) -> Callable[[str], int | float]:
@@ -57,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--source", type=Path, default=os.environ.get(SOURCE_ENV) or BESIDE,
                    help=f"the source's parallel-nn folder (default: ${SOURCE_ENV}, "
-                        "else shared/source/parallel-nn beside the checkout)")
+                        "else ../shared/source/parallel-nn from the current folder)")
     p.add_argument("--ranks", type=_positive(int), default=2)
     p.add_argument("--epochs", type=_positive(int), default=20)
     p.add_argument("--rounds", type=_positive(int), default=3, help="alternating runs of each")

@@ -6,22 +6,25 @@ import argparse
 import sys
 from pathlib import Path
 
-from pcourse.book.build import OUT, REPO, BookError, build
+from pcourse.book.build import OUT, BookError, build
+from pcourse.utils.io import course_folder
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pcourse.book",
                                      description="Build the course's website from the "
                                      "notebooks' stored outputs (nothing is executed).")
-    parser.add_argument("--out", type=Path, default=OUT,
-                        help=f"where to build it (default {OUT.relative_to(REPO)}); "
+    parser.add_argument("--out", type=Path,
+                        help=f"where to build it (default: the course's {OUT}); "
                              "the site is OUT/html/index.html")
+    parser.add_argument("--course", type=Path, metavar="DIR",
+                        help="the course's folder (default: the current folder)")
     parser.add_argument("-j", "--jobs", default="auto",
                         help="Sphinx's parallel jobs (default: auto, one per core)")
     args = parser.parse_args(argv)
     try:
-        book = build(REPO, args.out, args.jobs)
-    except BookError as exc:
+        book = build(course_folder(args.course), args.out, args.jobs)
+    except (BookError, ValueError) as exc:
         print(f"make book: {exc}", file=sys.stderr)
         return 1
     for source, cells in book.missing_figures.items():

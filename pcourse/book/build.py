@@ -32,11 +32,11 @@ from pathlib import Path, PurePosixPath
 import nbformat
 
 from pcourse.grading import exercises as ex
+from pcourse.utils.io import course_folder
 from pcourse.workshop import course
 
-REPO = Path(__file__).resolve().parents[2]
 CONF_DIR = Path(__file__).resolve().parent  # conf.py
-OUT = REPO / "build" / "book"
+OUT = Path("build") / "book"  # in the course's folder
 BUILD_TIMEOUT = 600.0  # s for Sphinx: a bound on a hang, not a measure of speed
 PAGES_FILE = "pages.json"  # in OUT: what was built, for the tests and for readers of OUT
 # The pages that are not notebooks, in the order of the site's "About" section.
@@ -256,9 +256,11 @@ def render(src: Path, html: Path, doctrees: Path, jobs: str = "auto") -> None:
                         f"{said or result.stderr[-4000:]}")
 
 
-def build(root: Path = REPO, out: Path = OUT, jobs: str = "auto") -> Book:
-    """Stage and render the site into ``out`` (``out/html/index.html``)."""
-    out = Path(out)
+def build(root: Path | None = None, out: Path | None = None, jobs: str = "auto") -> Book:
+    """Stage and render the site into ``out`` (``out/html/index.html``; default: the
+    course folder's ``build/book``). ``root``: the course's folder (default: the current)."""
+    root = course_folder(root)
+    out = Path(out) if out is not None else root / OUT
     start = time.monotonic()
     pages = stage(Path(root), out / "src")
     shutil.rmtree(out / "html", ignore_errors=True)  # no page of a lesson since removed

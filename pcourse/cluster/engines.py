@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import ipyparallel as ipp
-from IPython.paths import get_ipython_dir
 
 from pcourse.cluster.interrupts import INTERRUPT_GRACE
 from pcourse.cluster.launch import (
@@ -63,8 +62,6 @@ START_TIMEOUT = 90.0  # seconds for all engines to register and initialise
 SLURM_START_TIMEOUT = 600.0  # the same under Slurm, where the job may wait in the queue first
 SLURM_ENV = "PCOURSE_SLURM"  # e.g. "partition=ws time=02:00:00": lessons start Slurm jobs
 _FOLDER = re.compile(r"^pcourse-cluster-(\d+)-")  # pcourse-cluster-<owner pid>-<random>
-# What older versions left in IPython's default profile: cluster-pcourse-<pid>-<id>.json ...
-_LEGACY = re.compile(r"^(?:cluster|ipcontroller|engines|ipengine)-?pcourse-(\d+)-[0-9a-f]{8}")
 
 # Run on every engine once it is up: makes interrupts final, and puts rank, size,
 # local_rank and device in the engine namespace, so %%px cells can use them directly.
@@ -534,8 +531,8 @@ def sweep_stale_clusters() -> list[str]:
     """Remove clusters whose owner has died, and their files; return what was removed.
 
     Their reaper does this at once; this catches what it could not (a machine that
-    went down, a reaper that was killed too), and files older versions left in
-    IPython's default profile. Only clusters of owners that are gone are touched.
+    went down, a reaper that was killed too). Only clusters of owners that are gone
+    are touched.
     """
     removed = []
     for folder in Path(tempfile.gettempdir()).glob("pcourse-cluster-*"):
@@ -543,13 +540,6 @@ def sweep_stale_clusters() -> list[str]:
         if owner and folder.is_dir() and not owner_alive(int(owner.group(1))):
             end_cluster(str(folder))
             removed.append(str(folder))
-    profile = Path(get_ipython_dir()) / "profile_default"
-    for sub in ("security", "log"):
-        for file in (profile / sub).glob("*pcourse-*"):
-            owner = _LEGACY.match(file.name)
-            if owner and not owner_alive(int(owner.group(1))):
-                file.unlink(missing_ok=True)
-                removed.append(str(file))
     return removed + sweep_mpi_segments()
 
 

@@ -36,9 +36,8 @@ from pathlib import Path
 
 import nbformat
 
-from pcourse.utils.io import atomic_write
+from pcourse.utils.io import atomic_write, course_folder
 
-REPO = Path(__file__).resolve().parents[2]
 BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:"
 YOUR_CODE = "# YOUR CODE HERE"
 DEFAULT_HINT = "write this part, then run the check cells"
@@ -165,11 +164,20 @@ def regenerate(solutions: Path, exercises: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pcourse.grading.exercises",
                                      description="Generate exercises/ from solutions/.")
-    parser.add_argument("--solutions", type=Path, default=REPO / "solutions")
-    parser.add_argument("--exercises", type=Path, default=REPO / "exercises")
+    parser.add_argument("--course", type=Path, metavar="DIR",
+                        help="the course's folder (default: the current folder)")
+    parser.add_argument("--solutions", type=Path, help="default: the course's solutions/")
+    parser.add_argument("--exercises", type=Path, help="default: the course's exercises/")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if exercises/ is stale")
     args = parser.parse_args(argv)
+    if args.solutions is None or args.exercises is None:
+        try:
+            course = course_folder(args.course)
+        except ValueError as exc:
+            parser.error(str(exc))
+        args.solutions = args.solutions or course / "solutions"
+        args.exercises = args.exercises or course / "exercises"
     if args.check:
         problems = stale(args.solutions, args.exercises)
         for p in problems:

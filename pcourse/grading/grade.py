@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -51,13 +50,10 @@ import nbformat
 from pcourse.bench.jobs import BenchError, check_writable, save
 from pcourse.grading import gradescope, submission
 from pcourse.grading.runner import HIDE_ENV, Executed, Job, run_jobs
-from pcourse.utils.io import write_csv
+from pcourse.utils.io import course_folder, write_csv
 
-REPO = Path(__file__).resolve().parents[2]
-SOLUTIONS = REPO / "solutions"
 NOTEBOOK_TIMEOUT = 240.0  # seconds per notebook, kernel start included; a setting, not a measure
 JOBS = max(1, (os.cpu_count() or 2) // 2)  # workers: one per two cores (a kernel, 4 engines)
-EXCEPTION = re.compile(r"raised ([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))")
 
 
 @dataclass
@@ -88,8 +84,13 @@ class Grade:
 
 # ---------------------------------------------------------------- which exercise, which file
 
-def exercises(solutions: Path = SOLUTIONS) -> dict[str, Path]:
-    return {p.stem: p for p in sorted(Path(solutions).glob("*.ipynb"))}
+def solutions_of(solutions: Path | None = None) -> Path:
+    """``solutions``, else the course folder's (:func:`pcourse.utils.io.course_folder`)."""
+    return Path(solutions) if solutions is not None else course_folder() / "solutions"
+
+
+def exercises(solutions: Path | None = None) -> dict[str, Path]:
+    return {p.stem: p for p in sorted(solutions_of(solutions).glob("*.ipynb"))}
 
 
 def exercise_of(path: Path, known: dict[str, Path]) -> str | None:
@@ -157,7 +158,7 @@ def _title(path: Path) -> str | None:
 # ---------------------------------------------------------------- grading
 
 def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIMEOUT,
-          solutions: Path = SOLUTIONS, learners: list[str] | None = None,
+          solutions: Path | None = None, learners: list[str] | None = None,
           progress: Callable[[Grade], None] | None = None) -> list[Grade]:
     """Grade every notebook; one Grade each, in order.
 
@@ -165,6 +166,7 @@ def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIM
     ``progress(grade)`` hears of every row as soon as it is decided.
     """
     progress = progress or (lambda g: None)
+    solutions = solutions_of(solutions)
     known = exercises(solutions)
     grades, runnables, todo = [], {}, []
     for k, path in enumerate(map(Path, notebooks)):
@@ -211,15 +213,17 @@ def _hidden_from_engines(solutions: Path, notebooks: list[Path]) -> list[Path]:
 
     The folders the notebooks are in, and their parents (a class: every learner's).
     """
-    found = {Path(solutions).resolve(), REPO / "tests", REPO / ".git"}
-    git = REPO / ".git"
+    course = Path(solutions).resolve().parent
+    found = {Path(solutions).resolve(), course / "tests", course / ".git"}
+    git = course / ".git"
     if git.is_file():  # a worktree: its history is in the main checkout's .git
         pointer = git.read_text().partition("gitdir:")[2].strip()
         if pointer:
             found.add(Path(pointer).resolve().parents[1])
     for path in map(Path, notebooks):
         found |= {path.resolve().parent, path.resolve().parent.parent}
-    needed = [REPO / "pcourse", Path(sys.prefix).resolve()]  # what the engines import
+    package = Path(__file__).resolve().parents[1]
+    needed = [package, Path(sys.prefix).resolve()]  # what the engines import
     return sorted(p for p in found if p.exists()
                   and not any(n == p or n.is_relative_to(p) for n in needed))
 
@@ -302,13 +306,14 @@ def explain(text: str) -> str:
 # ---------------------------------------------------------------- a class
 
 def grade_class(folder: Path, jobs: int = JOBS, timeout: float = NOTEBOOK_TIMEOUT,
-                solutions: Path = SOLUTIONS,
+                solutions: Path | None = None,
                 progress: Callable[[Grade], None] | None = None) -> list[Grade]:
     """One Grade per learner (a sub-folder) and exercise, learners in name order.
 
     ``progress(grade)`` hears of every row as soon as it is decided (:class:`RowLog`).
     """
     progress = progress or (lambda g: None)
+    solutions = solutions_of(solutions)
     known = exercises(solutions)
     learners = sorted(p for p in Path(folder).iterdir()  # not the grader's own --out folder
                       if p.is_dir() and not p.name.startswith((".", "_"))
@@ -450,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="where --class writes grades.csv and gradebook.csv (default: DIR)")
     parser.add_argument("--timeout", type=float, default=NOTEBOOK_TIMEOUT,
                         help=f"seconds per notebook (default {NOTEBOOK_TIMEOUT:g})")
+    parser.add_argument("--course", type=Path, metavar="DIR",
+                        help="the course's folder, with solutions/ and exercises/ "
+                             "(default: the current folder)")
     parser.add_argument("-j", "--jobs", type=int, default=JOBS,
                         help="notebooks graded at the same time, each worker with its own "
                              f"kernel and 4 engines (default {JOBS}: one per two cores)")
@@ -458,6 +466,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.timeout <= 0:
         parser.error(f"--timeout must be positive, got {args.timeout:g}")
+    try:
+        course = course_folder(args.course)
+    except ValueError as exc:
+        parser.error(str(exc))
+    solutions = course / "solutions"
     # SIGTERM (a CI job cancelled, a terminal closed) cleans up like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     start = time.monotonic()
@@ -471,23 +484,23 @@ def main(argv: list[str] | None = None) -> int:
         except BenchError as exc:
             parser.error(f"--out: {exc}. Nothing was graded.")
         log = RowLog((args.out or args.folder) / "grades.partial.csv")
-        rows = grade_class(args.folder, args.jobs, args.timeout, progress=log)
+        rows = grade_class(args.folder, args.jobs, args.timeout, solutions, progress=log)
         if not rows:
             log.done()
             parser.error(f"--class {args.folder}: no learner folders in it")
         print(table(rows))
         long, wide = write_gradebook(rows, args.out or args.folder)
-        lms = gradescope.write_class(rows, args.out or args.folder)
+        lms = gradescope.write_class(rows, args.out or args.folder, solutions)
         log.done()
         print(f"\n{len(rows)} notebooks graded in {time.monotonic() - start:.0f} s; "
               f"wrote {long} and {wide}; Gradescope results and feedback under {lms}")
         return 1 if any(g.status == "error" for g in rows) else 0
-    notebooks = args.notebooks or sorted((REPO / "exercises").glob("*.ipynb"))
+    notebooks = args.notebooks or sorted((course / "exercises").glob("*.ipynb"))
     missing = [str(p) for p in notebooks if not Path(p).is_file()]
     if missing or not notebooks:
         parser.error(f"no such notebook: {', '.join(missing)}" if missing
                      else "no notebooks to grade: exercises/ is empty (run `make exercises`)")
-    grades = grade(notebooks, args.jobs, args.timeout)
+    grades = grade(notebooks, args.jobs, args.timeout, solutions)
     print(table(grades))
     return 0 if all(g.ok for g in grades) else 1
 

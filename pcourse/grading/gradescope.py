@@ -143,9 +143,9 @@ def write_class(rows: list[Grade], out: Path, solutions: Path | None = None,
 
     Written atomically, file by file (:func:`pcourse.utils.io.atomic_write`).
     """
-    from pcourse.grading.grade import SOLUTIONS  # grade imports this module
+    from pcourse.grading.grade import solutions_of  # grade imports this module
 
-    solutions = Path(solutions or SOLUTIONS)
+    solutions = solutions_of(solutions)
     names = {g.exercise: _names_or_counted(solutions / f"{g.exercise}.ipynb", g.total)
              for g in rows}
     learners: dict[str, list[Grade]] = {}

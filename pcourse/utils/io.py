@@ -104,6 +104,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def course_folder(path: str | os.PathLike[str] | None = None) -> Path:
+    """The course's folder, the one holding ``notebooks/`` and ``solutions/``: ``path``,
+    else the current folder. The tools look for the course there, never where pcourse is
+    installed, so that a non-editable ``pip install .`` works as well as a checkout."""
+    root = Path(path if path is not None else os.getcwd()).resolve()
+    if not (root / "notebooks").is_dir() and not (root / "solutions").is_dir():
+        raise ValueError(f"{root} is not the course's folder (it has no notebooks/ and no "
+                         "solutions/): run this from the course's folder, or pass --course")
+    return root
+
+
 def write_csv(
     path: str | os.PathLike[str], rows: Iterable[Mapping[str, Any]], fields: list[str]
 ) -> Path:

@@ -1,11 +1,12 @@
 """MNIST from its IDX files, gzipped or raw, with checks that catch damaged files.
 
 Where the data lives, the first of (:func:`resolve_dir`): the ``data_dir`` argument,
-the ``PCOURSE_MNIST_DIR`` environment variable, a ``shared/data/mnist`` folder beside
-the course's checkout if there is one (a workshop's or offline machine's copy), then
-``~/.cache/pcourse/mnist``. The repository holds no MNIST files. Files missing from
-that folder are downloaded into it the ordinary way where a network is there
-(``PCOURSE_MNIST_DOWNLOAD=0`` forbids it, for offline CI); where not, the error names
+the ``PCOURSE_MNIST_DIR`` environment variable (``make lab`` and ``make test`` point it
+at a ``shared/data/mnist`` folder beside the course, a workshop's or offline machine's
+copy, where there is one), then ``~/.cache/pcourse/mnist``. The repository holds no
+MNIST files. Files missing from that folder are downloaded into it the ordinary way
+where a network is there (``PCOURSE_MNIST_DOWNLOAD=0`` forbids it, for offline CI);
+where not, the error names
 the files, the folder and how to fix it. A truncated or foreign file is refused with
 a clear error rather than turned into a few thousand silently wrong images.
 
@@ -51,23 +52,18 @@ class MNISTError(RuntimeError):
     """The MNIST files are missing, damaged or cannot be downloaded; says what to do."""
 
 
-# Workshops and CI without a network keep a copy of the files in a `shared/data/mnist`
-# folder beside the course checkout; used when it exists and nothing else is named.
-OFFLINE_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "mnist"
-
-
 def resolve_dir(path: str | os.PathLike[str] | None = None) -> Path:
     """The folder MNIST is read from.
 
-    The argument, then $PCOURSE_MNIST_DIR, then the offline copy beside the
-    checkout if there is one, then the download cache (~/.cache/pcourse/mnist).
+    The argument, then $PCOURSE_MNIST_DIR, then the download cache
+    (~/.cache/pcourse/mnist). Never a path found from where the package is installed.
     """
     if path is not None:
         return Path(path).expanduser()
     env = os.environ.get(ENV_VAR)
     if env:
         return Path(env).expanduser()
-    return OFFLINE_DIR if OFFLINE_DIR.is_dir() else DEFAULT_DIR
+    return DEFAULT_DIR
 
 
 def _find(folder: Path, name: str) -> Path | None:

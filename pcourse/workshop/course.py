@@ -14,7 +14,8 @@ from pathlib import Path
 
 import nbformat
 
-REPO = Path(__file__).resolve().parents[2]
+from pcourse.utils.io import course_folder
+
 FOLDERS = ("notebooks", "exercises", "solutions")
 
 # Which lesson an exercise practises (it is done after that lesson). Exercises are
@@ -59,8 +60,10 @@ def title(path: Path) -> str:
     return path.stem
 
 
-def entries(folder: str, root: Path = REPO) -> list[Entry]:
-    """The notebooks of one folder (``notebooks``, ``exercises``, ``solutions``), in order."""
+def entries(folder: str, root: Path | None = None) -> list[Entry]:
+    """The notebooks of one folder (``notebooks``, ``exercises``, ``solutions``), in order;
+    ``root``: the course's folder (default: :func:`~pcourse.utils.io.course_folder`)."""
+    root = course_folder(root)
     if folder not in FOLDERS:
         raise ValueError(f"unknown folder {folder!r}; choose one of {', '.join(FOLDERS)}")
     found = []
@@ -69,8 +72,8 @@ def entries(folder: str, root: Path = REPO) -> list[Entry]:
     return found
 
 
-def readme_summaries(root: Path = REPO) -> dict[str, str]:
+def readme_summaries(root: Path | None = None) -> dict[str, str]:
     """Lesson number -> what it teaches, from the README's course table."""
-    text = (root / "README.md").read_text()
+    text = (course_folder(root) / "README.md").read_text()
     return {m.group(1): m.group(2).strip()
             for m in re.finditer(r"^\| *(\d\d) [^|]*\| *([^|]+?) *\|\s*$", text, re.M)}

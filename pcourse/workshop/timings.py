@@ -35,9 +35,9 @@ from pathlib import Path
 import nbformat
 import psutil
 
-from pcourse.utils.io import atomic_write
+from pcourse.utils.io import atomic_write, course_folder
 from pcourse.workshop import render
-from pcourse.workshop.course import REPO, entries
+from pcourse.workshop.course import entries
 
 DATA = Path("docs") / "lesson_timings.json"
 CELL_TIMEOUT = 3600  # seconds; full mode trains for many minutes in one cell
@@ -174,20 +174,21 @@ def machine() -> dict[str, str | int | float]:
     }
 
 
-def load(root: Path = REPO) -> dict:
+def load(root: Path | None = None) -> dict:
     """The stored measurements: {mode: {"machine": {...}, "runs": {path: Timing fields}}}."""
-    path = root / DATA
+    path = course_folder(root) / DATA
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def save(data: dict, root: Path = REPO) -> Path:
-    with atomic_write(root / DATA) as f:
+def save(data: dict, root: Path | None = None) -> Path:
+    path = course_folder(root) / DATA
+    with atomic_write(path) as f:
         json.dump(data, f, indent=1, sort_keys=True)
         f.write("\n")
-    return root / DATA
+    return path
 
 
-def notebooks(root: Path = REPO, only: list[str] | None = None) -> list[Path]:
+def notebooks(root: Path | None = None, only: list[str] | None = None) -> list[Path]:
     """The notebooks to time: every lesson and every solution, or those named in ``only``."""
     paths = [e.path for folder in ("notebooks", "solutions") for e in entries(folder, root)]
     if only:
@@ -212,9 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render", action="store_true",
                         help="only rewrite the tables from the stored measurements")
     parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT, metavar="S")
-    parser.add_argument("--root", type=Path, default=REPO, help=argparse.SUPPRESS)
+    parser.add_argument("--course", "--root", dest="root", type=Path, metavar="DIR",
+                        help="the course's folder (default: the current folder)")
     args = parser.parse_args(argv)
-    root = args.root.resolve()
+    try:
+        root = course_folder(args.root)
+    except ValueError as exc:
+        parser.error(str(exc))
     # Engines are launched with the venv's mpiexec, beside this Python.
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
 

@@ -29,10 +29,11 @@ def table() -> str:
 
 
 def main() -> int:
+    from pcourse.utils.io import course_folder
     from pcourse.workshop import render, timings
 
     print(table())
-    for path in render.rewrite(timings.load(), timings.REPO):
+    for path in render.rewrite(timings.load(), course_folder()):
         print(f"rewrote {path}")
     return 0
 

@@ -51,6 +51,11 @@ def check_allreduce_cases(b: Backend) -> list:
     WORLD.Allreduce(MPI.IN_PLACE, ref, MPI.SUM)
     b.allreduce(x, "sum")
     expect(torch.equal(x, torch.from_numpy(ref)), f"{b.name}: non-contiguous allreduce")
+    for dtype in HALF:  # every rank 40000: the sum overflows float16, the average does not
+        x = torch.full((5,), 40000.0, dtype=dtype)
+        b.allreduce(x, "avg")
+        expect(bool(torch.isfinite(x).all()) and abs(x[0].item() - 40000) <= 400,
+               f"{b.name}: {dtype} avg of 40000s gave {x[0].item()}: sum before divide?")
     expect(raises(TypeError, b.allreduce, torch.ones(3, dtype=torch.int64), "avg"),
            f"{b.name}: avg of an int tensor should raise TypeError")
     expect(raises(ValueError, b.allreduce, torch.ones(3), "mean"),
