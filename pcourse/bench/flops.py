@@ -22,7 +22,7 @@ from typing import Any
 
 MATMUL_SIZE = 512  # big enough to run near the math library's peak, small enough to be quick
 GPU_MATMUL_SIZE = 4096
-MATMUL_SECONDS = 0.3  # per rank, split over a few timed rounds (the best one counts)
+MATMUL_SECONDS = 0.1  # per rank, split over a few timed rounds (the best one counts)
 
 
 def flops_per_sample(workload: Any, model: Any, n: int = 64) -> float:
