@@ -73,6 +73,15 @@ def low_precision_average(grads: Sequence[torch.Tensor], group: Any,
     return ring_bytes(per * p, pieces.element_size(), p)
 
 
+def allreduce_mean(tensors: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
+    """The average over ``group`` of each tensor, in one float allreduce of them all."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    return [part.view_as(t) for t, part in zip(tensors, flat.split(
+        [t.numel() for t in tensors]), strict=True)]
+
+
 def _shape(p: torch.Tensor) -> tuple[int, int]:
     return p.shape[0], p.numel() // p.shape[0]
 
@@ -106,26 +115,20 @@ class PowerSGD:
         return sum((sum(_shape(q)) * self.rank) if q in self.q else q.numel()
                    for q in self.params)
 
-    def _allreduce_mean(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat, group=self.group)
-        flat /= dist.get_world_size(self.group)
-        return [part.view_as(t) for t, part in zip(tensors, flat.split(
-            [t.numel() for t in tensors]), strict=True)]
-
     def average(self) -> float:
         """Replace every ``p.grad`` by the (approximate) average; bytes this rank sent."""
         exact = [q for q in self.params if q not in self.q]
         mats = [q for q in self.params if q in self.q]
         if exact:
-            for q, avg in zip(exact, self._allreduce_mean([q.grad for q in exact]),
+            for q, avg in zip(exact, allreduce_mean([q.grad for q in exact], self.group),
                               strict=True):
                 q.grad.copy_(avg)
         if mats:
             ms = [q.grad.reshape(_shape(q)) + self.error[q] for q in mats]  # error feedback
-            ps = self._allreduce_mean([m @ self.q[q] for m, q in zip(ms, mats, strict=True)])
+            ps = allreduce_mean([m @ self.q[q] for m, q in zip(ms, mats, strict=True)],
+                                self.group)
             ps = [torch.linalg.qr(pm).Q for pm in ps]  # orthonormal columns
-            qs = self._allreduce_mean([m.T @ pm for m, pm in zip(ms, ps, strict=True)])
+            qs = allreduce_mean([m.T @ pm for m, pm in zip(ms, ps, strict=True)], self.group)
             for q, m, pm, qm in zip(mats, ms, ps, qs, strict=True):
                 approx = pm @ qm.T
                 self.error[q] = m - approx  # what this rank's gradient lost this step
@@ -155,12 +158,9 @@ def _ours(method: str, model: nn.Module, group: Any) -> Any:
         grads = [q.grad for q in params]
         if dtype is not None:
             return low_precision_average(grads, group, dtype)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat /= dist.get_world_size(group)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            g.copy_(part.view_as(g))
-        return ring_bytes(flat.numel(), 4, dist.get_world_size(group))
+        for g, avg in zip(grads, allreduce_mean(grads, group), strict=True):
+            g.copy_(avg)
+        return ring_bytes(sum(g.numel() for g in grads), 4, dist.get_world_size(group))
 
     return model, average
 

@@ -171,7 +171,8 @@ def _write(path: Path, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pcourse.grading.grade import NOTEBOOK_TIMEOUT, SOLUTIONS, grade
+    from pcourse.grading.grade import NOTEBOOK_TIMEOUT, grade
+    from pcourse.utils.io import course_folder
 
     parser = argparse.ArgumentParser(
         prog="python -m pcourse.grading.gradescope",
@@ -183,13 +184,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="when learners see the tests (Gradescope's setting)")
     parser.add_argument("--timeout", type=float, default=NOTEBOOK_TIMEOUT,
                         help=f"seconds for the notebook (default {NOTEBOOK_TIMEOUT:g})")
+    parser.add_argument("--course", type=Path, metavar="DIR",
+                        help="the course's folder, with solutions/ (default: the current one)")
     args = parser.parse_args(argv)
+    try:
+        solutions = course_folder(args.course) / "solutions"
+    except ValueError as exc:
+        parser.error(str(exc))
     if not args.notebook.is_file():
         parser.error(f"no such notebook: {args.notebook}")
     if args.timeout <= 0:
         parser.error(f"--timeout must be positive, got {args.timeout:g}")
-    (g,) = grade([args.notebook], jobs=1, timeout=args.timeout)
-    names = _names_or_counted(SOLUTIONS / f"{g.exercise}.ipynb", g.total)
+    (g,) = grade([args.notebook], jobs=1, timeout=args.timeout, solutions=solutions)
+    names = _names_or_counted(solutions / f"{g.exercise}.ipynb", g.total)
     _write(args.results, json.dumps(results(g, names, args.visibility), indent=1) + "\n")
     print(f"{summary(g)}\nwrote {args.results}")
     return 0 if g.status != "error" else 1
