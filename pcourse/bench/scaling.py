@@ -294,9 +294,9 @@ def aggregate(rows: list[dict]) -> list[dict]:
 
 
 def _device(runs: list[dict]) -> str:
-    """The device type a configuration's runs trained on ("cpu", "cuda"); a
-    comma-separated list if its runs disagree."""
-    kinds = dict.fromkeys(str(r["device"]).split(":")[0] for r in runs)
+    """The device type a configuration's runs trained on ("cpu", "cuda"; "?" for rows
+    that do not say); a comma-separated list if its runs disagree."""
+    kinds = dict.fromkeys(str(r.get("device") or "?").split(":")[0] for r in runs)
     return ",".join(kinds)
 
 
