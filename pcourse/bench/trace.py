@@ -33,17 +33,13 @@ from pcourse.utils.io import atomic_write
 
 PHASES = ("forward", "backward", "finish", "optimizer")
 MiB = 1 << 20
-# How an MPI allreduce in flight moves: mode -> (the environment MPICH starts with, what it means)
+# How an MPI allreduce in flight moves, mode -> (the environment MPICH starts with, whether
+# the reducer's hooks test the requests): inside MPI calls only (as the course runs it),
+# tested from the hooks (drive_progress=True), or by MPICH's asynchronous progress thread
 PROGRESS = {
-    "inside MPI calls": ({"MPIR_CVAR_ASYNC_PROGRESS": "0"},
-                         "MPICH as the course runs it: no thread of its own; the request "
-                         "moves when the rank is in an MPI call, mostly in finish()'s wait"),
-    "tested in hooks": ({"MPIR_CVAR_ASYNC_PROGRESS": "0"},
-                        "the same, and every gradient hook tests the requests in flight "
-                        "(BucketedAllreduce(drive_progress=True))"),
-    "progress thread": ({"MPIR_CVAR_ASYNC_PROGRESS": "1"},
-                        "MPICH's asynchronous progress thread: it moves requests while "
-                        "backward runs, spinning on a core of its own"),
+    "inside MPI calls": ({"MPIR_CVAR_ASYNC_PROGRESS": "0"}, False),
+    "tested in hooks": ({"MPIR_CVAR_ASYNC_PROGRESS": "0"}, True),
+    "progress thread": ({"MPIR_CVAR_ASYNC_PROGRESS": "1"}, False),
 }
 
 
@@ -122,7 +118,6 @@ def record_step(workload: str = "mnist", backend: str = "gloo", cap: int = MiB,
     return {"rank": comm.rank, "buckets": buckets, "overlap": overlap, "backend": backend,
             "workload": workload, "cap": cap, "drive_progress": drive_progress,
             "events": _keep(raw)}
-
 
 
 def _keep(raw: list[dict]) -> list[dict]:
@@ -237,9 +232,9 @@ def record_progress(ranks: int = 2, workload: str = "mnist", cap: int = MiB, rep
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     traces = {}
-    for mode, (env, _) in PROGRESS.items():
+    for mode, (env, drive) in PROGRESS.items():
         args = ["-m", "pcourse.bench.trace", "--workload", workload, "--cap", str(cap),
-                "--repeats", str(repeats), *(["--drive-progress"] if "hooks" in mode else [])]
+                "--repeats", str(repeats), *(["--drive-progress"] if drive else [])]
         rows, _ = mpirun_rows(ranks, args, timeout=timeout,
                               env={**env, "OMP_NUM_THREADS": "1"})
         traces[mode] = []
