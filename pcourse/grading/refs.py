@@ -194,7 +194,8 @@ def gloo_trial(init: Callable, timeout_s: float) -> dict:
     While ``init`` runs, every port the operating system hands to a socket bound to
     port 0 is noted: the port the group meets at must be one of rank 0's. Afterwards
     the group sums ``arange(4) * (rank + 1)`` once, its store and timeout are read
-    back, and it is destroyed, so the check can run again.
+    back, and it is destroyed, so the check can run again. A port already in use
+    (a collision: the one thing an OS-chosen port prevents) is said to be one.
     """
     import socket
 
@@ -215,6 +216,13 @@ def gloo_trial(init: Callable, timeout_s: float) -> dict:
     socket.socket.bind = noting
     try:
         where = init(counting, timeout_s)
+    except Exception as e:
+        if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+            raise OSError(f"{type(e).__name__}: {e}. The port was taken when torch bound it: "
+                          "let the operating system choose it (bind a socket to port 0 on rank "
+                          "0 and read the port it got), then close that socket before "
+                          "init_process_group") from e
+        raise
     finally:
         socket.socket.bind = bind
     try:

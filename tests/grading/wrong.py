@@ -395,6 +395,15 @@ WRONG: dict[str, dict[str, Wrong]] = {
             dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank,
                                     world_size=comm.size, timeout=timedelta(seconds=timeout_s))
             return addr, port"""], "operating system"),
+        "the OS's port, its socket left open": Wrong("point", ["""
+            if comm.rank == 0:
+                held = socket.socket()
+                held.bind(("127.0.0.1", 0))
+                where = held.getsockname()
+            addr, port = comm.bcast(where if comm.rank == 0 else None, root=0)
+            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank,
+                                    world_size=comm.size, timeout=timedelta(seconds=timeout_s))
+            return addr, port"""], "close that socket"),
         "(port, address) returned": Wrong("point", [gloo(ret="port, addr")], "(address, port)"),
         "no timeout given": Wrong("point", [gloo(timeout="timedelta(minutes=30)")], "check 3/3"),
         "a fixed timeout of 15 s": Wrong("point", [gloo(timeout="timedelta(seconds=15)")],
