@@ -15,16 +15,19 @@ The top level is what the lessons teach, one idea per module, in lesson order:
     ``multinode``      hostfiles and launchers for several nodes (09)
     ``sharding``       ZeRO-1, ZeRO-2 and FSDP on reduce-scatter and all-gather (10)
 
-Tooling lives behind it, in subpackages:
+Under both, the runtime layer (``runtime/``): ranks and devices, waits with deadlines
+and interrupts, the check that all ranks called a collective alike (``agree``), where
+torch.distributed's ranks meet (``bootstrap``), and reaping the processes a run left.
 
-    ``cluster/``   engines for notebooks, ``mpiexec`` jobs, rank and device, netns
+Tooling lives behind the lessons' modules, in subpackages:
+
+    ``cluster/``   engines for notebooks, ``mpiexec`` jobs, netns
     ``bench/``     the communication, scaling, per-step and sharding benchmarks
     ``checks/``    the setup check (lesson 00) and the GPU check
     ``grading/``   exercises generated from solutions, and the grader
     ``workshop/``  the instructor's kit: lesson timings, the generated tables of
                    INSTRUCTORS.md and the index, resetting a learner's notebook
-    ``utils/``     atomic results files, showing source in a notebook, and the
-                   check that all ranks called a collective alike (``agree``)
+    ``utils/``     atomic results files, showing source in a notebook, progress bars
 
 Importing ``pcourse`` is cheap and never touches MPI or CUDA.
 """

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pcourse.utils.agree import MismatchError, agree
+from pcourse.runtime.agree import MismatchError, agree
 
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 ALGORITHMS = ("tree", "ring", "recursive-doubling")

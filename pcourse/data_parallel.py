@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pcourse.backends import Backend
-from pcourse.utils.agree import agree
+from pcourse.runtime.agree import agree
 
 
 def _named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

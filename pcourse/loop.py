@@ -27,7 +27,6 @@ from torch import nn
 
 from pcourse.backends import Backend
 from pcourse.buckets import BucketedAllreduce
-from pcourse.cluster.rankinfo import threads
 from pcourse.data_parallel import (
     average_gradients,
     average_gradients_flat,
@@ -35,6 +34,7 @@ from pcourse.data_parallel import (
     check_consistency,
 )
 from pcourse.partition import partition_indices
+from pcourse.runtime.ranks import threads
 from pcourse.utils.progress import Bar
 from pcourse.workloads import Workload, default_config, make_workload
 from pcourse.workloads.config import batch_sizes

@@ -25,7 +25,7 @@ import torch
 
 from pcourse.backends import Backend, Work
 from pcourse.cluster.launch import mpirun
-from pcourse.cluster.reaper import sweep_mpi_segments
+from pcourse.runtime.reaping import sweep_mpi_segments
 
 REPO = Path(__file__).resolve().parents[1]
 MPI_SCRIPTS = REPO / "tests" / "mpi"
@@ -38,7 +38,7 @@ SESSION_MARK = "PCOURSE_TEST_SESSION"
 os.environ[SESSION_MARK] = uuid.uuid4().hex
 
 _CLUSTER_MARKERS = ("ipyparallel.engine", "ipyparallel.controller", "ipengine", "ipcontroller",
-                    "pcourse.cluster.reaper",
+                    "pcourse.runtime.reaping",
                     "mpiexec", "hydra_pmi_proxy")
 
 

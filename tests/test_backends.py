@@ -23,7 +23,7 @@ from pcourse.backends import (
     make_backend,
 )
 from pcourse.cluster.launch import kill_group
-from pcourse.utils.agree import agree
+from pcourse.runtime.agree import agree
 
 REPO = Path(__file__).resolve().parents[1]
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")
@@ -133,7 +133,7 @@ def test_a_backend_refuses_bad_roots_and_ops_after_telling_the_others(one_rank):
 
 # ---------------------------------------------------------------- rendezvous helpers
 def test_interface_address_reads_the_loopback():
-    from pcourse.backends.torch_dist import interface_address
+    from pcourse.runtime.bootstrap import interface_address
 
     assert interface_address("lo") == "127.0.0.1"
     assert interface_address("=lo") == "127.0.0.1"
@@ -142,7 +142,7 @@ def test_interface_address_reads_the_loopback():
 
 
 def test_address_choice_honours_the_environment(monkeypatch):
-    from pcourse.backends.torch_dist import _pick_address
+    from pcourse.runtime.bootstrap import _pick_address
 
     for var in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME"):
         monkeypatch.delenv(var, raising=False)
@@ -154,7 +154,7 @@ def test_address_choice_honours_the_environment(monkeypatch):
 
 
 def test_the_store_listens_on_its_address_only_and_a_bad_master_port_is_explained(monkeypatch):
-    from pcourse.backends.torch_dist import _pick_port
+    from pcourse.runtime.bootstrap import _pick_port
 
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with _pick_port("127.0.0.1") as s:
@@ -172,7 +172,7 @@ def test_the_store_listens_on_its_address_only_and_a_bad_master_port_is_explaine
 
 
 def test_one_host_binds_loopback_unless_an_interface_is_named(monkeypatch):
-    from pcourse.backends.torch_dist import socket_ifname
+    from pcourse.runtime.bootstrap import socket_ifname
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     with socket_ifname("GLOO_SOCKET_IFNAME", loopback=True):
@@ -263,28 +263,28 @@ class FakeGlooWork:
 
 @pytest.mark.parametrize("slices", [1, 3])
 def test_a_collective_done_as_its_slice_times_out_succeeded(slices):
-    from pcourse.backends.torch_dist import _wait_work
+    from pcourse.runtime.waits import wait_work
 
     work = FakeGlooWork(slices, completes_at_boundary=True)
-    _wait_work(work, in_slices=True)  # the slice's "Operation timed out!" is no error
+    wait_work(work, in_slices=True)  # the slice's "Operation timed out!" is no error
     assert work.done and len(work.waits) == slices + 1 and work.waits[-1] is None
 
 
 def test_a_collective_done_after_some_slices_succeeded():
-    from pcourse.backends.torch_dist import _SLICE, _wait_work
+    from pcourse.runtime.waits import SLICE, wait_work
 
     work = FakeGlooWork(3, completes_at_boundary=False)
-    _wait_work(work, in_slices=True)
-    assert work.waits == [_SLICE] * 4  # three slices ran out, the fourth saw it done
+    wait_work(work, in_slices=True)
+    assert work.waits == [SLICE] * 4  # three slices ran out, the fourth saw it done
 
 
 @pytest.mark.parametrize("at_boundary", [True, False])
 def test_a_failed_collective_raises_its_own_error_not_the_slices(at_boundary):
-    from pcourse.backends.torch_dist import _wait_work
+    from pcourse.runtime.waits import wait_work
 
     work = FakeGlooWork(2, completes_at_boundary=at_boundary, error="Connection closed by peer")
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
-        _wait_work(work, in_slices=True)
+        wait_work(work, in_slices=True)
 
 
 class FakePolledWork:
@@ -336,11 +336,11 @@ def test_the_nccl_barrier_is_polled_and_returns_once_done():
 
 
 def test_the_nccl_barrier_ends_at_its_deadline_and_the_backend_then_refuses(monkeypatch):
-    from pcourse.cluster import interrupts
+    from pcourse.runtime import waits
 
-    monkeypatch.setattr(interrupts, "_rank", lambda: 0)  # the message's rank, without MPI
+    monkeypatch.setattr(waits, "_rank", lambda: 0)  # the message's rank, without MPI
     backend = _fake_nccl_backend(FakePolledWork(polls=None), timeout=0.2)
-    with pytest.raises(interrupts.CollectiveTimeout, match="barrier did not complete within 0.2"):
+    with pytest.raises(waits.CollectiveTimeout, match="barrier did not complete within 0.2"):
         backend.barrier()
     assert backend._given_up is backend._dist.work  # close() must know it still runs
     with pytest.raises(RuntimeError, match="out of step"):
@@ -360,9 +360,9 @@ def test_the_default_groups_rendezvous_sets_both_interfaces_and_nccls_error_mode
     the process; afterwards the environment is as it was."""
     import torch.distributed as dist
 
-    from pcourse.backends import torch_dist
+    from pcourse.runtime import bootstrap
 
-    names = (*torch_dist.IFNAME_VARS, torch_dist.NCCL_ERROR_HANDLING[0])
+    names = (*bootstrap.IFNAME_VARS, bootstrap.NCCL_ERROR_HANDLING[0])
     for var in names:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -393,7 +393,7 @@ def test_the_default_groups_rendezvous_sets_both_interfaces_and_nccls_error_mode
             return x
 
     with pytest.raises(RuntimeError, match="Made"):
-        torch_dist._ensure_default_group(OneRank(), "NCCL_SOCKET_IFNAME", 10.0)
+        bootstrap.ensure_default_group(OneRank(), "NCCL_SOCKET_IFNAME", 10.0)
     lo = "lo0" if sys.platform == "darwin" else "lo"
     assert seen == {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo,
                     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "kind": "cpu:gloo,cuda:nccl"}
@@ -401,7 +401,7 @@ def test_the_default_groups_rendezvous_sets_both_interfaces_and_nccls_error_mode
 
 
 def test_a_users_nccl_settings_are_left_alone(monkeypatch):
-    from pcourse.backends.torch_dist import _nccl_error_handling, socket_ifname
+    from pcourse.runtime.bootstrap import _nccl_error_handling, socket_ifname
 
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
@@ -458,7 +458,7 @@ def _fake_cupy_backend(monkeypatch, query):
     """A CupyNCCLBackend on a fake communicator, whose stream's work is done when
     ``query()`` says so (torch.cuda's event and stream faked)."""
     from pcourse.backends import cupy_nccl
-    from pcourse.cluster import interrupts
+    from pcourse.runtime import waits
 
     class Event:
         def record(self, stream):
@@ -469,7 +469,7 @@ def _fake_cupy_backend(monkeypatch, query):
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    monkeypatch.setattr(interrupts, "_rank", lambda: 0)
+    monkeypatch.setattr(waits, "_rank", lambda: 0)
     backend = cupy_nccl.CupyNCCLBackend.__new__(cupy_nccl.CupyNCCLBackend)
     backend._comm, backend.timeout = FakeComm(), 0.2
     backend.rank, backend.size, backend.device = 0, 2, torch.device("cuda", 0)
@@ -513,10 +513,10 @@ def test_an_interrupted_cupy_close_aborts_and_the_interrupt_goes_on(monkeypatch)
 def _fake_gpus(monkeypatch, n: int) -> None:
     """``n`` GPUs here, and the NCCL backends' libraries present (CUDA faked)."""
     import pcourse.backends as backends
-    from pcourse.cluster import rankinfo
+    from pcourse.runtime import ranks
 
     monkeypatch.setattr(backends, "_library_reason", lambda name: "")
-    monkeypatch.setattr(rankinfo, "gpu_count", lambda: n)
+    monkeypatch.setattr(ranks, "gpu_count", lambda: n)
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 2, 3])
@@ -555,7 +555,7 @@ def test_the_scaling_benchmark_skips_nccl_where_ranks_outnumber_gpus(monkeypatch
 
 # ---------------------------------------------------------------- on GPUs (`pytest -m gpu`)
 def _gpus() -> int:
-    from pcourse.cluster.rankinfo import gpu_count
+    from pcourse.runtime.ranks import gpu_count
 
     return gpu_count()
 

@@ -102,9 +102,9 @@ def test_the_step_benchmark_uses_nccl_only_with_a_gpu_per_rank(monkeypatch, gpus
                                                                backend) -> None:
     """With fewer GPUs than ranks NCCL cannot run: Gloo instead, and the reason (no GPU needed)."""
     import pcourse.backends
-    from pcourse.cluster import rankinfo
+    import pcourse.runtime.ranks
 
-    monkeypatch.setattr(rankinfo, "gpu_count", lambda: gpus)
+    monkeypatch.setattr(pcourse.runtime.ranks, "gpu_count", lambda: gpus)
     monkeypatch.setattr(pcourse.backends, "unavailable_reason", lambda name: "")
     device = "cuda:0" if gpus else "cpu"
     chosen, why = steps.torch_backend_for(device, ranks)

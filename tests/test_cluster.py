@@ -13,7 +13,7 @@ from conftest import cluster_processes
 
 from pcourse.cluster import ClusterError, launch, start_cluster, stop_cluster
 from pcourse.cluster import engines as cl
-from pcourse.cluster.rankinfo import gpu_for
+from pcourse.runtime.ranks import gpu_for
 
 LOOPBACK = {"127.0.0.1", "::1"}
 

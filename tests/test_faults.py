@@ -27,7 +27,7 @@ from pcourse.backends import BACKENDS, backend_class
 from pcourse.backends.base import DEFAULT_TIMEOUT, TIMEOUT_ENV, collective_timeout
 from pcourse.cluster import ClusterError, start_cluster, stop_cluster
 from pcourse.cluster.launch import mpirun
-from pcourse.cluster.reaper import sweep_mpi_segments
+from pcourse.runtime.reaping import sweep_mpi_segments
 
 # --- a hung rank ---------------------------------------------------------------------
 

@@ -55,7 +55,7 @@ def _gpu_family(pip_name: str) -> str:
 
 
 def test_gpu_extra_is_listed_for_conda_users():
-    from pcourse.checks.gpu_check import GPU_EXTRAS
+    from pcourse.backends import GPU_EXTRAS
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
@@ -204,7 +204,7 @@ def test_ci_keeps_to_the_wheels_it_has_and_installs_the_book_extra(tmp_path):
 def test_each_gpu_extra_is_one_cupy_and_the_nccl_of_one_cuda():
     """gpu-cuNN: the CuPy wheel and NCCL's wheel built for CUDA NN, nothing else, so a venv
     gets one NCCL (torch's CUDA NN wheel depends on that same NCCL distribution)."""
-    from pcourse.checks.gpu_check import GPU_EXTRAS
+    from pcourse.backends import GPU_EXTRAS
 
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
@@ -219,7 +219,7 @@ def test_each_gpu_extra_is_one_cupy_and_the_nccl_of_one_cuda():
 @pytest.mark.parametrize("cuda, extra", [("12.8", "gpu-cu12"), ("12.1", "gpu-cu12"),
                                          ("13.0", "gpu-cu13"), ("13", "gpu-cu13")])
 def test_the_extra_follows_torchs_cuda_version(cuda, extra):
-    from pcourse.checks.gpu_check import extra_for
+    from pcourse.backends import extra_for
 
     assert extra_for(cuda) == extra
 
@@ -227,7 +227,7 @@ def test_the_extra_follows_torchs_cuda_version(cuda, extra):
 @pytest.mark.parametrize("cuda, says", [(None, "CPU-only"), ("", "CPU-only"),
                                         ("11.8", "CUDA 11.8"), ("14.0", "CUDA 14.0")])
 def test_a_torch_without_a_matching_extra_is_refused_naming_its_cuda(cuda, says):
-    from pcourse.checks.gpu_check import extra_for
+    from pcourse.backends import extra_for
 
     with pytest.raises(ValueError, match=says):
         extra_for(cuda)
@@ -267,7 +267,7 @@ def test_make_gpu_check_installs_the_extra_of_torchs_cuda():
 def test_a_missing_cupy_is_told_the_extra_of_its_torch(monkeypatch, cuda, says):
     import torch
 
-    from pcourse.checks.gpu_check import extra_hint
+    from pcourse.backends import extra_hint
 
     monkeypatch.setattr(torch.version, "cuda", cuda)
     assert says in extra_hint()
@@ -284,3 +284,38 @@ def test_every_pcourse_variable_is_in_the_contributors_table() -> None:
         used |= set(re.findall(r"\b(PCOURSE_[A-Z_]*[A-Z])\b", path.read_text()))
     assert used - documented == set(), "document these in CONTRIBUTING.md's table"
     assert documented - used == set(), "the table names variables nothing reads"
+
+
+# ---------------------------------------------------------------- layers
+TAUGHT = ("pcourse/*.py", "pcourse/backends/*.py", "pcourse/workloads/*.py",
+          "pcourse/beyond_sgd/*.py")
+TOOLING = ("cluster", "bench", "checks", "grading", "workshop", "book")
+
+
+def _pcourse_imports(path: Path) -> set[str]:
+    """The pcourse modules ``path`` imports, at its top or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} if node.module != "pcourse" else {
+                f"pcourse.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return {m for m in found if m == "pcourse" or m.startswith("pcourse.")}
+
+
+def test_taught_modules_stand_on_the_runtime_layer_never_on_the_tooling():
+    taught = sorted(p for pattern in TAUGHT for p in REPO.glob(pattern))
+    assert len(taught) > 15
+    bad = {str(p.relative_to(REPO)): sorted(m for m in _pcourse_imports(p)
+                                            if m.split(".")[1] in TOOLING)
+           for p in taught}
+    assert not {k: v for k, v in bad.items() if v}, "taught code importing the tooling"
+
+
+def test_the_runtime_layer_imports_nothing_else_of_the_package():
+    runtime = sorted((REPO / "pcourse" / "runtime").glob("*.py"))
+    assert {p.stem for p in runtime} >= {"ranks", "waits", "agree", "bootstrap", "reaping"}
+    bad = {p.name: sorted(m for m in _pcourse_imports(p) if not m.startswith("pcourse.runtime"))
+           for p in runtime}
+    assert not {k: v for k, v in bad.items() if v}, "the runtime layer importing other layers"

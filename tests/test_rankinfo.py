@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from pcourse.cluster import rankinfo
+from pcourse.runtime import ranks
 
-LAUNCH_VARS = rankinfo.MPI_RANK_VARS + rankinfo.TORCHRUN_VARS + ("LOCAL_WORLD_SIZE",)
+LAUNCH_VARS = ranks.MPI_RANK_VARS + ranks.TORCHRUN_VARS + ("LOCAL_WORLD_SIZE",)
 
 
 @pytest.fixture
@@ -31,17 +31,17 @@ def clean_env(monkeypatch):
 def test_launcher_reads_what_launchers_set(clean_env, env, expected):
     for var, value in env.items():
         clean_env.setenv(var, value)
-    assert rankinfo.launcher() == expected
+    assert ranks.launcher() == expected
 
 
 def test_init_rank_under_torchrun_reads_its_variables(clean_env):
     for var, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
                        "LOCAL_WORLD_SIZE": "2"}.items():
         clean_env.setenv(var, value)
-    clean_env.setattr(rankinfo, "_info", None)
+    clean_env.setattr(ranks, "_info", None)
     before = torch.get_num_threads()
     try:
-        me = rankinfo.init_rank()
+        me = ranks.init_rank()
     finally:
         torch.set_num_threads(before)
     assert (me.rank, me.size, me.local_rank, me.local_size) == (3, 4, 1, 2)
@@ -51,16 +51,16 @@ def test_init_rank_under_torchrun_reads_its_variables(clean_env):
 
 
 def test_local_rank_i_takes_gpu_i_modulo_the_gpus(monkeypatch):
-    monkeypatch.setattr(rankinfo, "gpu_count", lambda: 0)
-    assert rankinfo.gpu_for(3) is None
-    monkeypatch.setattr(rankinfo, "gpu_count", lambda: 2)
-    assert [rankinfo.gpu_for(i) for i in range(5)] == [0, 1, 0, 1, 0]
+    monkeypatch.setattr(ranks, "gpu_count", lambda: 0)
+    assert ranks.gpu_for(3) is None
+    monkeypatch.setattr(ranks, "gpu_count", lambda: 2)
+    assert [ranks.gpu_for(i) for i in range(5)] == [0, 1, 0, 1, 0]
 
 
 def test_threads_block_restores_the_count():
     before = torch.get_num_threads()
-    with rankinfo.threads(1):
+    with ranks.threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
-    with rankinfo.threads(None):
+    with ranks.threads(None):
         assert torch.get_num_threads() == before

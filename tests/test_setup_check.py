@@ -191,10 +191,10 @@ def test_troubleshooting_table_has_every_reason_and_its_fix():
 def _fake_gpus(monkeypatch, n: int) -> None:
     """``n`` GPUs, with the NCCL backends' libraries present."""
     import pcourse.backends as backends
-    from pcourse.cluster import rankinfo
+    from pcourse.runtime import ranks
 
     monkeypatch.setattr(backends, "_library_reason", lambda name: "")
-    monkeypatch.setattr(rankinfo, "gpu_count", lambda: n)
+    monkeypatch.setattr(ranks, "gpu_count", lambda: n)
 
 
 def _check_with_engines(monkeypatch, n: int, gpus: int) -> tuple[bool, list[str]]:

@@ -94,15 +94,9 @@ def _cuda_reason() -> str:
     return ""
 
 
-def _install_hint() -> str:
-    from pcourse.checks.gpu_check import extra_hint
-
-    return extra_hint()
-
-
 def _cupy_nccl_reason() -> str:
     if importlib.util.find_spec("cupy") is None:
-        return f"cupy not installed ({_install_hint()})"
+        return f"cupy not installed ({extra_hint()})"
     try:
         import cupy  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any import failure makes it unusable
@@ -110,9 +104,9 @@ def _cupy_nccl_reason() -> str:
     try:
         from cupy.cuda import nccl
     except Exception:  # noqa: BLE001
-        return f"NCCL library missing ({_install_hint()})"
+        return f"NCCL library missing ({extra_hint()})"
     if not getattr(nccl, "available", True):  # some CuPy builds import a stub
-        return f"NCCL library missing ({_install_hint()})"
+        return f"NCCL library missing ({extra_hint()})"
     try:
         import cupy
 
@@ -142,7 +136,7 @@ def too_few_gpus(name: str, ranks: int) -> str:
     (or needs no GPU). NCCL refuses two ranks on one GPU; one rank on one GPU runs."""
     if not backend_class(name).needs_gpu:
         return ""
-    from pcourse.cluster.rankinfo import gpu_count
+    from pcourse.runtime.ranks import gpu_count
 
     if ranks > gpu_count():
         return (f"needs one GPU per rank: {ranks} ranks, {gpu_count()} GPU(s) here "
@@ -188,3 +182,39 @@ def backend_status(ranks: int | None = None) -> list[BackendStatus]:
             on = "GPU" if backend_class(name).needs_gpu else "CPU"
             rows.append(BackendStatus(name, True, f"runs on {on}"))
     return rows
+
+
+# CUDA major version of the torch build -> the extra (pyproject.toml) with the CuPy and
+# NCCL built for it. torch's CUDA wheels depend on NCCL's wheel of their own CUDA, so
+# the extra of the same CUDA names the very same distribution: one libnccl.so.2 in the
+# venv, never two (a second would overwrite torch's, and removing either removes it).
+GPU_EXTRAS = {"12": "gpu-cu12", "13": "gpu-cu13"}
+
+
+def extra_for(cuda_version: str | None) -> str:
+    """The extra for a torch built for ``cuda_version`` (``torch.version.cuda``).
+
+    ValueError, naming the version, for a CPU-only torch or a CUDA without an extra.
+    """
+    if not cuda_version:
+        raise ValueError("torch is a CPU-only build (torch.version.cuda is None): install a "
+                         "CUDA build of torch first; the GPU extras match its CUDA version")
+    major = str(cuda_version).split(".")[0]
+    if major not in GPU_EXTRAS:
+        raise ValueError(f"torch is built for CUDA {cuda_version}, and the course has GPU "
+                         f"extras only for CUDA {', '.join(GPU_EXTRAS)}: install a torch "
+                         "built for one of those")
+    return GPU_EXTRAS[major]
+
+
+def extra_hint() -> str:
+    """How to install the GPU libraries for this torch, as a short instruction."""
+    import torch
+
+    if not torch.version.cuda:
+        return "it needs a CUDA build of torch; with one, make gpu-check installs it"
+    try:
+        extra = extra_for(torch.version.cuda)
+    except ValueError:
+        return f"the course has no GPU extra for torch's CUDA {torch.version.cuda}"
+    return f"pip install -e '.[{extra}]', or make gpu-check"

@@ -6,7 +6,7 @@ root, wait at a barrier. :class:`Backend` is exactly that, so the training code,
 the benchmarks and the notebooks never care which library runs underneath.
 
 Every collective first checks, on every rank, that all ranks passed the same length
-and dtype (and op, or root), with one tiny allreduce (:func:`pcourse.utils.agree.agree`):
+and dtype (and op, or root), with one tiny allreduce (:func:`pcourse.runtime.agree.agree`):
 a mismatch is the same clear error on every rank instead of a hang or garbage.
 Callers that already know the ranks agree, such as a bucket layout checked once,
 pass ``check=False``.
@@ -35,7 +35,8 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only: listing the backends loads no torch
     import torch
 
-from pcourse.utils.agree import MismatchError, agree
+from pcourse.runtime.agree import MismatchError, agree
+from pcourse.runtime.ranks import BackendUnavailable
 
 OPS = ("sum", "avg", "max", "min", "prod")
 # Long enough for the longest wait the course has for a live peer (a rank that
@@ -48,10 +49,6 @@ TIMEOUT_ENV = "PCOURSE_COLLECTIVE_TIMEOUT"
 __all__ = ["DEFAULT_TIMEOUT", "OPS", "TIMEOUT_ENV", "AsyncBackend", "Backend",
            "BackendUnavailable", "MismatchError", "Pending", "Work", "check_avg_dtype",
            "check_op", "collective_timeout"]
-
-
-class BackendUnavailable(RuntimeError):
-    """This machine cannot run the requested backend; the message says why."""
 
 
 def collective_timeout(timeout: float | None = None) -> float:

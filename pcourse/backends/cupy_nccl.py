@@ -36,7 +36,9 @@ from pcourse.backends.base import (
     divides_first,
     private_comm,
 )
-from pcourse.cluster.interrupts import CollectiveTimeout, wait_until
+from pcourse.runtime.bootstrap import socket_ifname
+from pcourse.runtime.ranks import pick_gpu
+from pcourse.runtime.waits import CollectiveTimeout, wait_until
 
 # torch dtype -> name of the constant in cupy.cuda.nccl (looked up lazily).
 DTYPES = {
@@ -71,8 +73,6 @@ class CupyNCCLBackend(Backend):
             raise BackendUnavailable(f"backend 'nccl-cupy' cannot run here: {reason}")
         import cupy
         from cupy.cuda import nccl
-
-        from pcourse.backends.torch_dist import pick_gpu, socket_ifname
 
         self._nccl = nccl
         self.timeout = collective_timeout(timeout)

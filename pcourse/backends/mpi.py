@@ -13,7 +13,7 @@ host memory. MPI has no timeouts of its own, and a blocking MPI call cannot be
 interrupted: a rank that never joins a collective would block the others forever,
 deaf to the stop button. So every collective of the buffer backend (and of
 ``mpi-pickle-deadline``) is MPI's nonblocking one (``Iallreduce``, ``Ibcast``,
-``Ibarrier``), waited for by ``pcourse.cluster.interrupts.wait_request``: an
+``Ibarrier``), waited for by ``pcourse.runtime.waits.wait_request``: an
 interrupt stops the wait, and ``timeout`` seconds without the other ranks raise
 CollectiveTimeout. ``mpi-pickle`` is the source's blocking ``comm.allreduce``, and
 has no deadline.
@@ -35,7 +35,7 @@ from pcourse.backends.base import (
     divides_first,
     private_comm,
 )
-from pcourse.cluster.interrupts import wait_request
+from pcourse.runtime.waits import wait_request
 
 
 def _default_device() -> torch.device:

@@ -37,7 +37,7 @@ import numpy as np
 from pcourse import collectives
 from pcourse.bench import jobs
 from pcourse.bench.commreport import FIELDS, add_rates, human, report
-from pcourse.cluster.rankinfo import launcher
+from pcourse.runtime.ranks import launcher
 from pcourse.utils.io import write_csv
 
 METHODS = ("mpi", "mpi-pickle", "tree", "ring", "recursive-doubling", "gloo", "nccl",

@@ -137,7 +137,7 @@ class RankGroups:
 
     def run(self, p: int, fn: Callable[[Any], Any]) -> Any:
         """``fn(sub)`` on the first p ranks (their result), None on the others."""
-        from pcourse.cluster.rankinfo import threads
+        from pcourse.runtime.ranks import threads
 
         result, failure = None, None
         if p in self.cores:
@@ -283,7 +283,7 @@ def rank_main(measure: Callable, spec: Any,
     from mpi4py import MPI
 
     from pcourse.cluster.launch import report_rows
-    from pcourse.cluster.rankinfo import init_rank
+    from pcourse.runtime.ranks import init_rank
 
     init_rank()
     phases["MPI init, rank and cores"] = time.perf_counter() - clock

@@ -44,7 +44,7 @@ from pcourse.backends import BACKENDS
 from pcourse.bench import jobs
 from pcourse.bench.flops import print_limits
 from pcourse.bench.jobs import BenchError, Outcome
-from pcourse.cluster.rankinfo import launcher
+from pcourse.runtime.ranks import launcher
 from pcourse.utils.io import write_csv
 from pcourse.workloads.config import CONFIGS, FrankeConfig, MNISTConfig, batch_sizes
 
@@ -195,7 +195,7 @@ def _threads(spec: ScalingSpec) -> int:
 def compute_limit(comm: Any, wl: Any, model: Any, threads: int) -> dict:
     """FLOPs per training sample, and every rank's matmul rate at ``threads``, summed."""
     from pcourse.bench.flops import flops_per_sample, matmul_rate
-    from pcourse.cluster.rankinfo import threads as using
+    from pcourse.runtime.ranks import threads as using
 
     per_sample = flops_per_sample(wl, model)
     comm.Barrier()  # all ranks multiply at once: they share the cores as in training

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pcourse.bench import jobs
-from pcourse.cluster.rankinfo import launcher
+from pcourse.runtime.ranks import launcher
 from pcourse.utils.io import write_csv
 
 STRATEGIES = ("ddp", "zero1", "zero2", "torch-zero", "fsdp", "torch-fsdp2")

@@ -55,7 +55,7 @@ from functools import partial
 from typing import Any
 
 from pcourse.bench import jobs
-from pcourse.cluster.rankinfo import launcher
+from pcourse.runtime.ranks import launcher
 from pcourse.utils.io import write_csv
 
 FIELDS = ["workload", "ranks", "path", "backend", "bucket_cap", "buckets", "local_batch",
@@ -245,7 +245,7 @@ def measure_ranks(comm: Any, spec: StepSpec, progress: jobs.Progress) -> None:
     import torch
 
     from pcourse.backends import make_backend
-    from pcourse.cluster.rankinfo import init_rank
+    from pcourse.runtime.ranks import init_rank
     from pcourse.workloads import make_workload
     from pcourse.workloads.config import batch_sizes
 

@@ -26,7 +26,7 @@ from pcourse.beyond_sgd.weight_averaging import (
     new_model,
     sgd_step,
 )
-from pcourse.cluster.rankinfo import threads
+from pcourse.runtime.ranks import threads
 
 JOIN_GRACE = 5.0  # seconds a terminated worker gets before it is killed
 

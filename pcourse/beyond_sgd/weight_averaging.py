@@ -23,9 +23,9 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from pcourse.backends import Backend
-from pcourse.cluster.rankinfo import threads
 from pcourse.data_parallel import average_gradients_flat, check_same_model
 from pcourse.partition import partition_indices
+from pcourse.runtime.ranks import threads
 from pcourse.workloads.franke import make_data, make_model
 
 METHODS = ("exact", "local", "fedavg", "once")

@@ -11,7 +11,7 @@ one rank, which checks the plumbing (devices, streams, dtypes, communicators), n
 reduction across GPUs; it says so.
 
 ``--which-extra`` prints the pip extra of the GPU libraries that match this torch
-(:func:`extra_for`): the Makefile's ``gpu-check`` installs that one.
+(:func:`pcourse.backends.extra_for`): the Makefile's ``gpu-check`` installs that one.
 
 The comparison harness (:func:`check_allreduce`) is also what the tests use for the
 CPU backends.
@@ -26,41 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pcourse.backends import OPS, Backend
-
-# CUDA major version of the torch build -> the extra (pyproject.toml) with the CuPy and
-# NCCL built for it. torch's CUDA wheels depend on NCCL's wheel of their own CUDA, so
-# the extra of the same CUDA names the very same distribution: one libnccl.so.2 in the
-# venv, never two (a second would overwrite torch's, and removing either removes it).
-GPU_EXTRAS = {"12": "gpu-cu12", "13": "gpu-cu13"}
-
-
-def extra_for(cuda_version: str | None) -> str:
-    """The extra for a torch built for ``cuda_version`` (``torch.version.cuda``).
-
-    ValueError, naming the version, for a CPU-only torch or a CUDA without an extra.
-    """
-    if not cuda_version:
-        raise ValueError("torch is a CPU-only build (torch.version.cuda is None): install a "
-                         "CUDA build of torch first; the GPU extras match its CUDA version")
-    major = str(cuda_version).split(".")[0]
-    if major not in GPU_EXTRAS:
-        raise ValueError(f"torch is built for CUDA {cuda_version}, and the course has GPU "
-                         f"extras only for CUDA {', '.join(GPU_EXTRAS)}: install a torch "
-                         "built for one of those")
-    return GPU_EXTRAS[major]
-
-
-def extra_hint() -> str:
-    """How to install the GPU libraries for this torch, as a short instruction."""
-    if not torch.version.cuda:
-        return "it needs a CUDA build of torch; with one, make gpu-check installs it"
-    try:
-        extra = extra_for(torch.version.cuda)
-    except ValueError:
-        return f"the course has no GPU extra for torch's CUDA {torch.version.cuda}"
-    return f"pip install -e '.[{extra}]', or make gpu-check"
-
+from pcourse.backends import OPS, Backend, extra_for
 
 SIZES = (1, 7, 1001, (1 << 20) + 3)
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
@@ -168,7 +134,7 @@ def table(results: list[CaseResult]) -> str:
 
 def _worker() -> int:
     from pcourse.backends import make_backend, unavailable_reason
-    from pcourse.cluster.rankinfo import init_rank
+    from pcourse.runtime.ranks import init_rank
 
     me = init_rank()
     results, problems = [], []
@@ -212,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return 0
-    from pcourse.cluster.rankinfo import gpu_count, launcher
+    from pcourse.runtime.ranks import gpu_count, launcher
 
     if launcher() == "mpi":  # a rank of the job below, or of the user's own mpiexec
         return _worker()

@@ -1,14 +1,14 @@
-"""Cluster plumbing: engines for notebooks, ``mpiexec`` jobs for tools, rank and device.
+"""Cluster plumbing: engines for notebooks, ``mpiexec`` jobs for tools.
 
 ``engines`` starts an MPI cluster of ipyparallel engines from a notebook;
-``launch`` runs a command under ``mpiexec`` with a deadline; ``rankinfo`` tells a
-process its rank and pins its device; ``interrupts`` makes MPI waits interruptible
-and bounded; ``reaper`` ends a cluster whose owner died; ``netns`` stands up two
-"nodes" on one machine (lesson 09).
+``launch`` runs a command under ``mpiexec`` with a deadline; ``rank_exit`` has each
+rank report its own exit, so a job ends at once; ``netns`` stands up two "nodes" on
+one machine (lesson 09). Rank and device, interrupts and reaping are the runtime
+layer's (:mod:`pcourse.runtime`).
 
 ``from pcourse.cluster import start_cluster, stop_cluster`` is what notebooks use.
 Those names load ipyparallel only when first asked for, so a rank that needs only
-``rankinfo`` or ``launch`` never pays for importing it.
+``launch`` never pays for importing it.
 """
 
 from __future__ import annotations

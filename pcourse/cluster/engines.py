@@ -15,8 +15,8 @@ to the user: output that nbval can compare (progress that leaves nothing behind)
 a clear error with the engines' log when they fail to start, instead of a hang; one
 cluster per kernel (a re-run start cell replaces it); nothing left behind however
 the kernel ends (every process carries a mark, a watcher process,
-:mod:`pcourse.cluster.reaper`, ends them if the owner dies); interrupts that land
-(:mod:`pcourse.cluster.interrupts`); engines that know their rank, world size,
+:mod:`pcourse.runtime.reaping`, ends them if the owner dies); interrupts that land
+(:mod:`pcourse.runtime.waits`); engines that know their rank, world size,
 local rank and device.
 """
 
@@ -39,7 +39,6 @@ from typing import Any
 
 import ipyparallel as ipp
 
-from pcourse.cluster.interrupts import INTERRUPT_GRACE
 from pcourse.cluster.launch import (
     Launcher,
     MPINotFound,
@@ -48,14 +47,15 @@ from pcourse.cluster.launch import (
     max_engines,
     mpi_launcher,
 )
-from pcourse.cluster.rankinfo import RankInfo, gpu_count
-from pcourse.cluster.reaper import (
+from pcourse.runtime.ranks import RankInfo, gpu_count
+from pcourse.runtime.reaping import (
     MARK,
     end_cluster,
     kill_marked,
     owner_alive,
     sweep_mpi_segments,
 )
+from pcourse.runtime.waits import INTERRUPT_GRACE
 from pcourse.utils.progress import Bar, latest
 
 START_TIMEOUT = 90.0  # seconds for all engines to register and initialise
@@ -66,9 +66,9 @@ _FOLDER = re.compile(r"^pcourse-cluster-(\d+)-")  # pcourse-cluster-<owner pid>-
 # Run on every engine once it is up: makes interrupts final, and puts rank, size,
 # local_rank and device in the engine namespace, so %%px cells can use them directly.
 _ENGINE_INIT = """
-from pcourse.cluster.interrupts import watch_interrupts as _pcourse_watch
+from pcourse.runtime.waits import watch_interrupts as _pcourse_watch
 _pcourse_watch()
-from pcourse.cluster.rankinfo import init_rank as _pcourse_init_rank
+from pcourse.runtime.ranks import init_rank as _pcourse_init_rank
 _pcourse_me = _pcourse_init_rank()
 rank, size, local_rank, device = (
     _pcourse_me.rank, _pcourse_me.size, _pcourse_me.local_rank, _pcourse_me.device)
@@ -146,7 +146,7 @@ class MPICluster:
         """Rank, host, device and torch threads of every engine, one line each.
 
         The threads are what each engine's torch uses unless a run sets its own
-        (:func:`pcourse.cluster.rankinfo.init_rank` shares the cores among the ranks
+        (:func:`pcourse.runtime.ranks.init_rank` shares the cores among the ranks
         of a host); a lesson that compares speeds says the threads it ran with.
         """
         lines = [f"{'rank':>4}  {'local':>5}  {'host':<24} {'device':<8} torch threads"]
@@ -418,7 +418,7 @@ def _make_slurm_cluster(n: int, folder: Path, env: dict[str, str], slurm: Slurm)
 
 def _start_reaper(folder: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "pcourse.cluster.reaper", str(os.getpid()), str(folder)],
+        [sys.executable, "-m", "pcourse.runtime.reaping", str(os.getpid()), str(folder)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True)  # out of reach of the terminal's Ctrl-C and hang-up
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from pcourse.cluster.rank_exit import RANK_EXIT
-from pcourse.cluster.reaper import sweep_mpi_segments
+from pcourse.runtime.reaping import sweep_mpi_segments
 from pcourse.utils.io import atomic_write
 
 ROWS_ENV = "PCOURSE_ROWS_FILE"  # where report_rows writes; set by mpirun_rows
@@ -237,7 +237,7 @@ def max_engines() -> int:
 def _gpu_count() -> int:
     if "torch" not in sys.modules and not Path("/dev/nvidiactl").exists():
         return 0  # no NVIDIA driver, so no GPU: a launcher need not load torch to know it
-    from pcourse.cluster.rankinfo import gpu_count  # imports torch: only when asked
+    from pcourse.runtime.ranks import gpu_count  # imports torch: only when asked
 
     return gpu_count()
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pcourse.cluster.launch import ends_with_launcher, kill_group
-from pcourse.cluster.reaper import owner_alive
+from pcourse.runtime.reaping import owner_alive
 
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
 IFNAMES = ("veth-a", "veth-b")

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from pcourse.runtime.waits import CollectiveTimeout
+
 OP_TIMEOUT = 5.0  # seconds one MPI call may wait for its partners: more than a correct one needs
 
 _HERE = str(Path(__file__).resolve().parent)
@@ -43,8 +45,11 @@ class Call(NamedTuple):
     peer: int | None  # dest of a send, source of a receive, root of a rooted collective
 
 
-class DeadlockError(RuntimeError):
-    """An MPI call waited longer than any correct program would."""
+class DeadlockError(CollectiveTimeout):
+    """An MPI call of the learner's waited longer than any correct program would.
+
+    A :class:`~pcourse.runtime.waits.CollectiveTimeout`, the one exception of a wait
+    past its deadline, whose message says what the learner's code did wrong."""
 
 
 SENDS = ("Send", "Ssend", "Isend", "Issend", "Sendrecv", "Sendrecv_replace",

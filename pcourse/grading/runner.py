@@ -376,7 +376,7 @@ def _reap(variable: str, value: str, spare: Iterable[int] = ()) -> None:
     """Kill every process (but this one and ``spare``) whose environment has ``variable=value``."""
     import psutil
 
-    from pcourse.cluster.reaper import mapped_files, sweep_mpi_segments
+    from pcourse.runtime.reaping import mapped_files, sweep_mpi_segments
 
     keep = {os.getpid(), *spare}
     found = []

@@ -32,7 +32,7 @@ from pcourse.backends import (
     make_backend,
 )
 from pcourse.checks.gpu_check import all_ranks_ok, check_allreduce, table
-from pcourse.cluster.rankinfo import launcher, mpi_local_rank
+from pcourse.runtime.ranks import launcher, mpi_local_rank
 
 LAST = SIZE - 1
 BASIC = (torch.float32, torch.float64, torch.int32, torch.int64)
@@ -264,7 +264,7 @@ def check_gpu_refusal() -> None:
     """Without GPUs every rank refuses NCCL together (a collective decision)."""
     if torch.cuda.is_available():
         return
-    from pcourse.backends.torch_dist import local_gpu
+    from pcourse.runtime.ranks import local_gpu
 
     local_rank = mpi_local_rank(WORLD)[0]
     expect(raises(BackendUnavailable, local_gpu, WORLD.allgather, local_rank, "nccl",

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pcourse.backends import Backend, make_backend
 from pcourse.buckets import BucketedAllreduce
-from pcourse.cluster.rankinfo import init_rank
+from pcourse.runtime.ranks import init_rank
 
 STEPS, SHARD = 4, 6
 TINY_CAP_MB = 300 * 8 / 2**20  # 300 float64s: several buckets for every model here

@@ -22,7 +22,7 @@ from harness import RANK, SIZE, expect, verdict
 
 from pcourse.backends import make_backend
 from pcourse.beyond_sgd import compression as C
-from pcourse.cluster.rankinfo import init_rank
+from pcourse.runtime.ranks import init_rank
 
 
 def grads_of(rank: int, scale: float = 1.0) -> list[torch.Tensor]:

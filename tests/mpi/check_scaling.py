@@ -15,8 +15,8 @@ import sys
 import torch
 
 from pcourse.backends import make_backend
-from pcourse.cluster.rankinfo import init_rank
 from pcourse.loop import train
+from pcourse.runtime.ranks import init_rank
 from pcourse.workloads.franke import FrankeConfig
 from pcourse.workloads.vae import MNISTConfig
 

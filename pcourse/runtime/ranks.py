@@ -7,6 +7,7 @@ those launchers set: it is how every command knows it runs as a rank.
 torchrun's variables), pins the process to the GPU of its local rank (chosen by
 :func:`gpu_for`, the one place that choice is made) and gives each rank its share of
 the CPU cores, so that N ranks on one machine do not each start a thread per core.
+The GPU backends take their GPU with :func:`pick_gpu`, which refuses two ranks on one.
 """
 
 from __future__ import annotations
@@ -14,14 +15,21 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 # Set for each rank by: MPICH/Hydra, Intel MPI and srun (PMI); Open MPI; PMIx launchers.
 MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # torchrun (torch.distributed.run)
+
+
+class BackendUnavailable(RuntimeError):
+    """This machine cannot run the requested backend; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,57 @@ def use_gpu(index: int) -> None:
             cupy.cuda.Device(index).use()
         except Exception:  # noqa: BLE001 - a broken CuPy must not stop a CPU-capable rank
             pass
+
+
+def pick_gpu(name: str, device: str | torch.device | None, mpi: Any) -> torch.device:
+    """The GPU backend ``name`` uses on this rank, made the current device.
+
+    ``device`` if given; else, bootstrapped from MPI, the GPU of the local rank with
+    every rank checking that no two share one (:func:`local_gpu`); else torchrun's
+    ``LOCAL_RANK``, or the device the caller made current.
+    """
+    import torch
+
+    if device is not None:
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"{name} runs on GPUs; got device={device!r}")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+    elif mpi is not None:
+        return local_gpu(mpi.allgather, mpi_local_rank(mpi)[0], name)
+    elif "LOCAL_RANK" in os.environ:
+        index = gpu_for(int(os.environ["LOCAL_RANK"]))
+    else:
+        index = torch.cuda.current_device()
+    use_gpu(index)
+    return torch.device("cuda", index)
+
+
+def local_gpu(allgather: Callable[[Any], list], local_rank: int, name: str) -> torch.device:
+    """This rank's own GPU; BackendUnavailable on every rank if two ranks share one.
+
+    NCCL refuses two ranks on one GPU ("Duplicate GPU"). Local rank i takes GPU
+    :func:`gpu_for` (i); the GPUs' UUIDs are then compared
+    across ranks (``allgather``), which also works when a launcher gives each rank
+    its own CUDA_VISIBLE_DEVICES. The decision is collective, so all ranks raise together.
+    """
+    import torch
+
+    index = gpu_for(local_rank)
+    uuid = "" if index is None else str(getattr(torch.cuda.get_device_properties(index),
+                                                "uuid", index))
+    everyone = allgather((socket.gethostname(), uuid))
+    # Every rank sees the same list, so every rank takes the same decision.
+    crowded = sorted({h for h, u in everyone if u == "" or everyone.count((h, u)) > 1})
+    if crowded:
+        here = sum(h == socket.gethostname() for h, _ in everyone)
+        raise BackendUnavailable(
+            f"backend {name!r} needs one GPU per rank, but ranks on {', '.join(crowded)} "
+            f"would share a GPU or have none (this host: {here} ranks, "
+            f"{torch.cuda.device_count()} GPUs); start at most one rank per GPU"
+        )
+    use_gpu(index)
+    return torch.device("cuda", index)
 
 
 def mpi_local_rank(comm: Any) -> tuple[int, int]:

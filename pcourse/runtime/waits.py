@@ -9,7 +9,8 @@ operation completes. Two small tools close the gap:
 - :func:`wait_request` waits for a nonblocking MPI operation by polling it, so an
   interrupt stops the wait at once and a peer that never joins is an error after
   the collective's timeout. Backends call it where they would call ``Wait()``
-  (:func:`wait_until` polls anything else that can say whether it is done).
+  (:func:`wait_until` polls anything else that can say whether it is done;
+  :func:`wait_work` and :func:`poll_work` do the same for torch.distributed's work).
 - :func:`watch_interrupts`, run once on every ipyparallel engine, makes an
   interrupt final: a rank still running its cell ``grace`` seconds after SIGINT is
   blocked inside a C call (an MPI call of code that does not poll, most often),
@@ -26,10 +27,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 INTERRUPT_GRACE = 3.0  # seconds a rank has to stop after SIGINT before the job is ended
 _SPINS = 64  # Test() calls between yielding the core and looking at the clock
+# How long one blocking wait for a Gloo collective lasts: Python runs the handler of an
+# interrupt only between two, so this is how late the stop button can be.
+SLICE = timedelta(milliseconds=50)
 _abandoned: list[Any] = []  # requests given up on: MPI may still write into their buffers
 
 
@@ -74,6 +79,40 @@ def wait_until(done: Callable[[], bool], timeout: float | None = None,
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+def wait_work(handle: Any, in_slices: bool) -> None:
+    """``handle.wait()``; in slices, so that Python can run an interrupt's handler between.
+
+    Only for Gloo: NCCL's wait does not block the CPU, it only orders the CUDA stream.
+    """
+    if not in_slices:
+        handle.wait()
+        return
+    while True:
+        try:
+            handle.wait(timeout=SLICE)  # returns as soon as the collective is done
+            return
+        except RuntimeError:
+            if handle.is_completed():
+                # The slice ended, and the collective is done: it may have completed
+                # just as the slice timed out, so this error may be the slice's. A
+                # wait on a completed collective returns, or raises its own error.
+                handle.wait()
+                return
+
+
+def poll_work(handle: Any, timeout: float, what: str) -> None:
+    """Wait for ``handle`` by asking whether it is done, interruptibly, at most ``timeout`` s.
+
+    For a torch collective whose ``wait()`` blocks the CPU without a way to interrupt
+    it (the NCCL barrier); ``is_completed()`` only asks, and is also true once the
+    collective failed (timed out, aborted). The final wait returns at once, or raises
+    the collective's error: with a timeout, since NCCL's ``wait()`` without one and
+    without TORCH_NCCL_BLOCKING_WAIT does not look for an error at all.
+    """
+    wait_until(handle.is_completed, timeout, what)
+    handle.wait(timeout=SLICE)
 
 
 def _rank() -> int:

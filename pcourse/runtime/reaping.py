@@ -19,7 +19,7 @@ segment and fails in ``MPI_Init`` ("Message truncated", "failed to unpack
 address"). :func:`sweep_mpi_segments` deletes the segments no running process has
 mapped; killing a cluster's processes ends with it.
 
-Run as ``python -m pcourse.cluster.reaper OWNER_PID FOLDER``.
+Run as ``python -m pcourse.runtime.reaping OWNER_PID FOLDER``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,315 @@
+"""Where torch.distributed's ranks meet: the default group, bootstrapped from MPI.
+
+torch.distributed needs every process to know its rank, the world size, and where to
+meet (a TCP "store" run by rank 0). Under ``mpiexec``, MPI gives rank and size, and
+rank 0 opens the store and broadcasts where it is (:func:`rendezvous`):
+
+- address: ``MASTER_ADDR`` if set; else the address of the interface named by
+  ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``; else 127.0.0.1 when every rank
+  runs on this host; else this host's resolvable address.
+- port: ``MASTER_PORT`` if set (it must be free); else a free port the operating
+  system picks. The source hard-codes 29500, which breaks as soon as two people
+  (or two notebooks) share a machine.
+
+Rank 0 listens on that address only, and every rank learns whether the store
+opened, so a bad ``MASTER_PORT`` is the same error on every rank, not a hang. Under
+torchrun (or with torch.distributed set up already) torch's own ``env://`` meeting is
+used instead (:func:`from_env`).
+
+Nothing listens beyond this machine unless a run asks for it: when the meeting
+address is a loopback address, Gloo and NCCL bind to the loopback interface too,
+unless ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` name another (lesson 09). The
+default group on a CUDA machine is ``cpu:gloo,cuda:nccl``, half of each, so its
+rendezvous sets both. NCCL's groups are made with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``
+unless it is set: torch's default (3) ends the whole process when a collective times
+out, which would kill a notebook's engine instead of raising in it (:func:`binding`).
+
+torch.distributed has one default process group per process. The first backend that
+needs it creates it (here); every backend object then gets its *own* group on top of
+it with ``new_group``, so a re-run notebook cell simply makes another group. The
+default group goes when the last backend that needed it lets go (:func:`release`), if
+it was made here.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+# torch reads it when it makes an NCCL group: 2 aborts the communicator on an error or
+# a timeout and raises in the waiting thread; torch's default (3) ends the process.
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+_users = 0  # backends standing on the default group
+_own_default = False  # whether the default group was made here
+_address = ""  # host:port of the default group's store, where the ranks met
+
+
+def address() -> str:
+    """``host:port`` where this process's ranks met ("" before they did)."""
+    return _address
+
+
+@contextmanager
+def binding(ifname_var: str | tuple[str, ...] = IFNAME_VARS) -> Iterator[None]:
+    """Inside: groups made bind where the ranks met (loopback stays loopback), and an
+    NCCL group raises on a timeout rather than ending the process."""
+    with socket_ifname(ifname_var, _is_loopback(_address.rpartition(":")[0])), \
+            _nccl_error_handling():
+        yield
+
+
+def joined() -> None:
+    """A backend now stands on the default group."""
+    global _users
+    _users += 1
+
+
+def release() -> None:
+    """A backend let go of the default group; the last one destroys it, if made here."""
+    global _users, _own_default
+    import torch.distributed as dist
+
+    _users -= 1
+    if _users == 0 and _own_default and dist.is_initialized():
+        dist.destroy_process_group()  # a later backend meets afresh
+        _own_default = False
+
+
+def from_env(timeout: float) -> None:
+    """torch's own default group: as it is, or from torchrun's ``env://`` variables."""
+    global _own_default, _address
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    master = os.environ.get("MASTER_ADDR", "")
+    _address = f"{master}:{os.environ.get('MASTER_PORT', '')}"
+    with binding():
+        dist.init_process_group(_default_kind(), init_method="env://",
+                                timeout=timedelta(seconds=timeout))
+    _own_default = True
+
+
+def _default_kind() -> str:
+    # CPU tensors on the default group go through Gloo, CUDA tensors through NCCL
+    # (created lazily, on first use), so code such as DDP that uses the default
+    # group works on either device; our backends use their own groups.
+    import torch.distributed as dist
+
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() \
+        else "gloo"
+
+
+def ensure_default_group(mpi: Any, ifname_var: str, timeout: float) -> None:
+    """Initialise torch's default group from the MPI rendezvous, unless it exists.
+
+    Collective: every rank reports its state first, so that a mix (initialised on
+    some ranks only, or with other ranks) is an error on all ranks, not a hang.
+    """
+    global _own_default, _address
+    import torch.distributed as dist
+
+    here = dist.is_initialized()
+    fits = not here or (dist.get_rank(), dist.get_world_size()) == (mpi.Get_rank(),
+                                                                    mpi.Get_size())
+    states = mpi.allgather((here, fits))
+    if all(h for h, _ in states) and all(f for _, f in states):
+        return
+    if any(h for h, _ in states):
+        raise RuntimeError(
+            "torch.distributed is already initialised on some ranks, or with other ranks "
+            "than this MPI job; call torch.distributed.destroy_process_group() on every "
+            "rank, then create the backend again"
+        )
+    store, _address = rendezvous(mpi, ifname_var, timeout)
+    with binding():  # the default group may be cpu:gloo,cuda:nccl: both bind sockets
+        _everyone(mpi, lambda: dist.init_process_group(
+            _default_kind(), store=store, rank=mpi.Get_rank(), world_size=mpi.Get_size(),
+            timeout=timedelta(seconds=timeout)))
+    _own_default = True
+
+
+def rendezvous(mpi: Any, ifname_var: str, timeout: float) -> tuple[Any, str]:
+    """Rank 0 opens the store; every rank gets a client of it and its ``host:port``.
+
+    Rank 0's failure (a busy or invalid MASTER_PORT, an address it cannot listen on)
+    is broadcast, and a rank that cannot reach the store says so to all the others:
+    every rank raises the same error.
+    """
+    from torch.distributed import TCPStore
+
+    _everyone(mpi, lambda: _check_interface(ifname_var))
+    hosts = mpi.allgather(socket.gethostname())
+    answer: tuple[str, int] | str = ("", 0)
+    store = None
+    if mpi.Get_rank() == 0:
+        try:
+            addr = _pick_address(len(set(hosts)) == 1, ifname_var)
+            listener = _pick_port(addr)
+            port = listener.getsockname()[1]
+            try:
+                store = TCPStore(addr, port, mpi.Get_size(), True, timedelta(seconds=timeout),
+                                 wait_for_workers=False, master_listen_fd=listener.fileno())
+            except BaseException:
+                listener.close()
+                raise
+            listener.detach()  # the store owns the socket now, and closes it
+            answer = (addr, port)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must hear it
+            answer = str(exc)
+    answer = mpi.bcast(answer, root=0)
+    if isinstance(answer, str):
+        raise RuntimeError(f"torch.distributed rendezvous: {answer}")
+    addr, port = answer
+    if store is None:
+        store = _everyone(mpi, lambda: TCPStore(addr, port, mpi.Get_size(), False,
+                                                 timedelta(seconds=timeout)))
+    else:
+        _everyone(mpi, lambda: None)
+    return store, f"{addr}:{port}"
+
+
+def _everyone(mpi: Any, step: Callable[[], Any]) -> Any:
+    """Run ``step`` on every rank; if it fails on any, raise on all, naming the ranks."""
+    try:
+        result, error = step(), ""
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        result, error = None, f"{type(exc).__name__}: {exc}"
+    errors = mpi.allgather(error)
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if failed:
+        raise RuntimeError("torch.distributed rendezvous failed on " + "; ".join(failed))
+    return result
+
+
+def _check_interface(ifname_var: str) -> None:
+    """A named interface that does not exist here fails now, on every rank, not mid-connect."""
+    spec = os.environ.get(ifname_var, "")
+    if sys.platform != "linux" or not spec or spec.startswith("^"):
+        return  # the address lookup below is Linux's; exclusions name no interface
+    if not interface_address(spec):
+        raise ValueError(f"{ifname_var}={spec} names no interface with an IPv4 address on "
+                         f"{socket.gethostname()}; see `ip -o -4 addr` for the names there")
+
+
+def _pick_address(one_host: bool, ifname_var: str) -> str:
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    ifname = os.environ.get(ifname_var)
+    if ifname:
+        addr = interface_address(ifname)
+        if addr:
+            return addr
+    if one_host:
+        return "127.0.0.1"
+    addr = socket.gethostbyname(socket.gethostname())
+    if addr.startswith("127."):
+        raise ValueError(
+            f"this host's name resolves to {addr}, which other hosts cannot reach; "
+            f"set MASTER_ADDR to rank 0's address or {ifname_var} to its interface"
+        )
+    return addr
+
+
+def _pick_port(addr: str) -> socket.socket:
+    """A socket listening on ``addr``: on MASTER_PORT if set, else on a free port.
+
+    The store takes this very socket over, so no other program can take the port
+    between choosing and listening.
+    """
+    wanted = os.environ.get("MASTER_PORT", "")
+    port = int(wanted) if wanted.isdigit() else -1 if wanted else 0
+    if not 0 <= port <= 65535 or (wanted and port == 0):
+        raise ValueError(f"MASTER_PORT={wanted} is not a port number (1 to 65535); unset it "
+                         "to let rank 0 pick a free port, or choose another")
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    # As torch's store does: a port whose old connections linger in TIME_WAIT
+    # (a re-created backend on the same MASTER_PORT) is free; a listener is not.
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((addr, port))
+        s.listen()
+    except OSError as exc:
+        s.close()
+        if wanted:
+            raise ValueError(
+                f"MASTER_PORT={wanted} is already in use on rank 0's host ({exc.strerror}); "
+                "unset MASTER_PORT to let rank 0 pick a free port, or choose another"
+            ) from None
+        raise ValueError(f"rank 0 cannot listen on {addr} ({exc.strerror}); MASTER_ADDR "
+                         "must be an address of rank 0's host") from None
+    return s
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+@contextmanager
+def socket_ifname(var: str | tuple[str, ...], loopback: bool) -> Iterator[None]:
+    """With ``loopback``, Gloo/NCCL bind to the loopback interface unless ``var`` names one.
+
+    ``var`` is one variable or several (the default group ``cpu:gloo,cuda:nccl`` needs
+    both, each left alone where it is set). The libraries read them when they open
+    their sockets, so they are set only for that moment and the process's environment
+    is left as it was.
+    """
+    names = (var,) if isinstance(var, str) else var
+    unset = [v for v in names if not os.environ.get(v)] if loopback else []
+    with _env(dict.fromkeys(unset, "lo0" if sys.platform == "darwin" else "lo")):
+        yield
+
+
+@contextmanager
+def _nccl_error_handling() -> Iterator[None]:
+    """:data:`NCCL_ERROR_HANDLING` while a group is made, unless the user set the variable."""
+    var, value = NCCL_ERROR_HANDLING
+    with _env({} if os.environ.get(var) else {var: value}):
+        yield
+
+
+@contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    """Environment variables ``values`` (unset before) inside the block, unset after."""
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for var in values:
+            os.environ.pop(var, None)
+
+
+def interface_address(spec: str) -> str:
+    """IPv4 address of the first interface matching an NCCL/Gloo-style name list.
+
+    ``eth0,ib0`` lists names (NCCL treats them as prefixes, ``=eth0`` as exact);
+    ``^docker`` excludes, which picks nothing here. Empty when nothing matches.
+    """
+    import psutil
+
+    ipv4 = {name: [a.address for a in addrs if a.family == socket.AF_INET]
+            for name, addrs in psutil.net_if_addrs().items()}
+    for item in spec.split(","):
+        item = item.strip()
+        if not item or item.startswith("^"):
+            continue
+        exact = item.startswith("=")
+        item = item.lstrip("=")
+        for name, addresses in ipv4.items():
+            if addresses and (name == item or (not exact and name.startswith(item))):
+                return addresses[0]
+    return ""
