@@ -128,18 +128,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # ---------------------------------------------------------------- leak guard
 def cluster_processes() -> dict[int, str]:
     """pid -> command line of every engine, controller and MPI launcher this session started."""
+    from pcourse.runtime.reaping import marked
+
     found = {}
-    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+    for proc in marked(os.environ[SESSION_MARK], SESSION_MARK):
         try:
-            cmd = " ".join(proc.info["cmdline"] or [])
-            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            if proc.status() == psutil.STATUS_ZOMBIE:
                 continue
-            if proc.environ().get(SESSION_MARK) != os.environ[SESSION_MARK]:
-                continue
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            cmd = " ".join(proc.cmdline())
+        except psutil.Error:
             continue
         if any(marker in cmd for marker in _CLUSTER_MARKERS):
-            found[proc.info["pid"]] = cmd
+            found[proc.pid] = cmd
     return found
 
 

@@ -153,13 +153,14 @@ if sys.argv[1] != "exit":  # a script that forgets stop_cluster just ends here
 
 def _owned(mark: str, owner: int) -> list[psutil.Process]:
     """Processes started, directly or not, by the owner carrying ``mark`` (not the owner)."""
+    from pcourse.runtime.reaping import marked
+
     found = []
-    for proc in psutil.process_iter():
+    for proc in marked(mark, "PCOURSE_TEST_OWNER", spare=(owner,)):
         try:
-            if proc.pid != owner and proc.environ().get("PCOURSE_TEST_OWNER") == mark \
-                    and proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        except psutil.Error:
             continue
     return found
 
@@ -452,3 +453,34 @@ def test_a_benchmark_killed_with_sigkill_leaves_no_rank_and_keeps_its_rows(tmp_p
         bench.wait()
         for proc in _owned(mark, bench.pid):  # leave the machine clean even when failing
             proc.kill()
+
+
+def test_kill_marked_ends_exactly_the_marked_processes_that_are_not_spared() -> None:
+    """A process that ignores SIGTERM is killed after the grace; another mark, another
+    value and a spared pid live on."""
+    from pcourse.runtime.reaping import kill_marked, marked
+
+    value = uuid.uuid4().hex
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+
+    def start(variable: str, val: str, code: str = "import time; time.sleep(60)"):
+        env = {**os.environ, variable: val}
+        return subprocess.Popen([sys.executable, "-c", code], env=env)
+
+    doomed = [start("PCOURSE_TEST_REAP", value), start("PCOURSE_TEST_REAP", value, stubborn)]
+    spared = start("PCOURSE_TEST_REAP", value)
+    others = [start("PCOURSE_TEST_REAP", value + "x"), start("PCOURSE_TEST_OTHER", value)]
+    try:
+        deadline = time.monotonic() + 30
+        while len(marked(value, "PCOURSE_TEST_REAP")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the stubborn one has set its handler
+        kill_marked(value, grace=0.5, variable="PCOURSE_TEST_REAP", spare=[spared.pid])
+        # psutil reaped them (so Popen sees no exit status): they are gone, SIGTERM or not
+        assert not any(psutil.pid_exists(p.pid) for p in doomed)
+        assert all(p.poll() is None for p in [spared, *others])
+        assert [p.pid for p in marked(value, "PCOURSE_TEST_REAP")] == [spared.pid]
+    finally:
+        for p in [*doomed, spared, *others]:
+            p.kill()
+            p.wait()

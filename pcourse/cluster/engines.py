@@ -47,6 +47,7 @@ from pcourse.cluster.launch import (
     max_engines,
     mpi_launcher,
 )
+from pcourse.runtime import private
 from pcourse.runtime.ranks import RankInfo, gpu_count
 from pcourse.runtime.reaping import (
     MARK,
@@ -183,6 +184,7 @@ class _InterruptibleView(ipp.DirectView):
 
     problem: Callable[[], str] = staticmethod(lambda: "")  # MPICluster.problem, once it exists
 
+    # ipyparallel's private entry of every apply (pcourse.runtime.private.VIEW_APPLY)
     def _really_apply(self, f: Any, args: Any = None, kwargs: Any = None,  # type: ignore[override]
                       targets: Any = None, block: bool | None = None, **options: Any) -> Any:
         self._refuse_if_dead()
@@ -212,7 +214,7 @@ def _finish(ar: Any, client: ipp.Client) -> Any:
         return ar.get()
     except KeyboardInterrupt:
         try:
-            client.send_signal("SIGINT", targets=ar._targets, block=False)
+            client.send_signal("SIGINT", targets=private.targets_of(ar), block=False)
             ar.wait(INTERRUPT_GRACE + 2)  # they stop, or the rank that cannot ends the job
         except Exception:  # noqa: BLE001 - the interrupt is what the user must see
             pass
@@ -425,7 +427,8 @@ def _start_reaper(folder: Path) -> subprocess.Popen:
 
 def _initialise(client: ipp.Client, timeout: float) -> tuple[list[RankInfo], ipp.DirectView]:
     """Engines in rank order, and a view of all of them, ready for the notebook."""
-    view = _InterruptibleView(client=client, socket=client._mux_stream, targets=sorted(client.ids))
+    view = _InterruptibleView(client=client, socket=private.mux_stream(client),
+                              targets=sorted(client.ids))
     # cloudpickle ships a notebook-defined function together with the globals it
     # uses (helpers, constants, imports), so learners need no push/import dance.
     # init_rank runs an MPI collective: a rank that never joins must not hang us.

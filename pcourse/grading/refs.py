@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from pcourse.grading.comm import CountingComm, world
+from pcourse.runtime import private
 
 BATCH = 60  # global batch of the gradient exercises: equal shards at 2, 3, 4, 5 and 6 ranks
 
@@ -228,16 +229,13 @@ def gloo_trial(init: Callable, timeout_s: float) -> dict:
     try:
         t = torch.arange(4, dtype=torch.float64) * (comm.rank + 1)
         dist.all_reduce(t)
-        store = dist.distributed_c10d._get_default_store()
-        while hasattr(store, "underlying_store"):  # PrefixStores around the TCPStore
-            store = store.underlying_store
-        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        store = private.default_store()
         return {"where": where if isinstance(where, tuple | list) else None,
                 "returned": type(where).__name__, "os_ports": chosen,
                 "store": (getattr(store, "host", None), getattr(store, "port", None)),
                 "rank": dist.get_rank(), "size": dist.get_world_size(),
                 "mpi": (comm.rank, comm.size), "sum": t.numpy(), "calls": counting.calls,
-                "timeout": backend.options._timeout.total_seconds()}
+                "timeout": private.default_group_timeout()}
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -374,26 +374,9 @@ def run_jobs(jobs: Iterable[Job], workers: int = 2, engines: int = ENGINES,
 
 def _reap(variable: str, value: str, spare: Iterable[int] = ()) -> None:
     """Kill every process (but this one and ``spare``) whose environment has ``variable=value``."""
-    import psutil
+    from pcourse.runtime.reaping import kill_marked
 
-    from pcourse.runtime.reaping import mapped_files, sweep_mpi_segments
-
-    keep = {os.getpid(), *spare}
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.pid not in keep and proc.environ().get(variable) == value:
-                found.append(proc)
-        except (psutil.Error, OSError):
-            continue
-    theirs = mapped_files(p.pid for p in found)
-    for proc in found:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(found, timeout=10)
-    sweep_mpi_segments(dead=theirs)  # killed engines leave MPICH's shared memory behind
+    kill_marked(value, grace=0, variable=variable, spare=spare, settle=10)
 
 
 if __name__ == "__main__":

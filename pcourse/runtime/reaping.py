@@ -3,7 +3,8 @@
 Every process of a cluster (controller, its schedulers, mpiexec, engines and their
 nannies) carries ``PCOURSE_CLUSTER=<its folder>`` in its environment, inherited even
 by processes that leave their parent's process group. :func:`kill_marked` ends
-exactly those, and nobody else's.
+exactly those, and nobody else's; the grader marks its workers' processes with a
+variable of its own and ends them the same way.
 
 A normal exit stops the cluster through ``atexit``. A kernel that is killed
 (``kill -9``, SIGTERM, an out-of-memory kill) runs no Python at all, so
@@ -42,25 +43,31 @@ SHM = Path("/dev/shm")
 MPI_SEGMENTS = ("mpich_shm_*", "mpich_vci_*")
 
 
-def marked(folder: str) -> list[psutil.Process]:
-    """The running processes whose environment marks them as the cluster in ``folder``."""
+def marked(value: str, variable: str = MARK, spare: Iterable[int] = ()) -> list[psutil.Process]:
+    """The running processes (but this one and ``spare``) whose environment has
+    ``variable=value``: by default, the cluster in folder ``value``."""
+    keep = {os.getpid(), *spare}
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.pid != os.getpid() and proc.environ().get(MARK) == folder:
+            if proc.pid not in keep and proc.environ().get(variable) == value:
                 found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        except (psutil.Error, OSError):  # gone, a zombie, or another user's
             continue
     return found
 
 
-def kill_marked(folder: str, grace: float = 1.0) -> None:
-    """End the cluster in ``folder``: SIGTERM to each of its processes, SIGKILL after ``grace``.
+def kill_marked(value: str, grace: float = 1.0, *, variable: str = MARK,
+                spare: Iterable[int] = (), settle: float | None = None) -> None:
+    """End the processes :func:`marked` finds: SIGTERM to each, SIGKILL after ``grace``.
 
     SIGTERM first so that mpiexec passes it on to the ranks it started (on other
-    nodes too); SIGKILL for whatever is blocked or ignores it.
+    nodes too); SIGKILL for whatever is blocked or ignores it; then up to ``settle``
+    seconds (default ``grace``) for them to be gone, and the MPI segments their ranks
+    shared are swept.
     """
-    procs = marked(folder)
+    spare = tuple(spare)
+    procs = marked(value, variable, spare)
     theirs = mapped_files(p.pid for p in procs)  # the MPI segments their ranks share
     for proc in procs:
         try:
@@ -68,12 +75,12 @@ def kill_marked(folder: str, grace: float = 1.0) -> None:
         except psutil.Error:
             pass
     _, alive = psutil.wait_procs(procs, timeout=grace)
-    for proc in alive + marked(folder):  # and any started meanwhile
+    for proc in alive + marked(value, variable, spare):  # and any started meanwhile
         try:
             proc.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(alive, timeout=grace)
+    psutil.wait_procs(alive, timeout=grace if settle is None else settle)
     sweep_mpi_segments(dead=theirs)
 
 

@@ -156,7 +156,7 @@ def watch_interrupts(grace: float = INTERRUPT_GRACE) -> bool:
         writer.close()
         return False
     cells = kernel._pcourse_cells = _Cells()
-    before, after = kernel.pre_handler_hook, kernel.post_handler_hook
+    before, after = kernel.pre_handler_hook, kernel.post_handler_hook  # private.KERNEL_HOOKS
 
     def pre_handler_hook() -> None:
         before()

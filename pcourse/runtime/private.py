@@ -1,0 +1,50 @@
+"""The private names of the libraries under the course, read in one place.
+
+Interrupting engines, and the grader's look at a learner's process group, reach
+into a few names that ipyparallel, ipykernel and torch do not promise to keep.
+Each is read here, by a function named for what it gives, so that a release that
+renames one breaks one function; ``tests/test_private.py`` checks every one against
+the installed libraries and fails naming the library and the name, not deep inside
+a lesson. The taught code uses one more, torch's ``_foreach_copy_`` (lesson 02's
+flat averaging: what torch's own optimizers use), checked there too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# ipyparallel.DirectView: the method every apply goes through; the course's view
+# (pcourse.cluster.engines) overrides it to pass an interrupt on to the engines.
+VIEW_APPLY = "_really_apply"
+# ipykernel's Kernel calls these around every request it handles; the interrupt
+# watcher (pcourse.runtime.waits) wraps them to know whether a cell is running.
+KERNEL_HOOKS = ("pre_handler_hook", "post_handler_hook")
+
+
+def mux_stream(client: Any) -> Any:
+    """The socket an ipyparallel Client sends a DirectView's requests on."""
+    return client._mux_stream
+
+
+def targets_of(result: Any) -> Any:
+    """The engine ids an ipyparallel AsyncResult was sent to."""
+    return result._targets
+
+
+def default_store() -> Any:
+    """The store torch.distributed's default group met at (PrefixStores unwrapped)."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):  # PrefixStores around the TCPStore
+        store = store.underlying_store
+    return store
+
+
+def default_group_timeout(device: str = "cpu") -> float:
+    """Seconds the default group's backend for ``device`` waits before a collective fails."""
+    import torch
+    import torch.distributed as dist
+
+    group = dist.distributed_c10d._get_default_group()
+    return group._get_backend(torch.device(device)).options._timeout.total_seconds()
