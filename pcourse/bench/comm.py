@@ -305,28 +305,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.error(f"{exc}\nNothing was started.")
     if note:
         print(note)
-    partial = args.out.with_suffix(".partial.csv")
-    partial.unlink(missing_ok=True)  # an earlier run's: not this one's
-
-    def keep(rows: list[dict]) -> None:
-        jobs.save(partial, lambda path: write_csv(path, add_rates(rows), FIELDS))
-
-    try:
-        outcome = jobs.launch("pcourse.bench.comm", argv, max(args.spec.ranks),
-                              timeout=args.timeout, partial=keep)
-    except jobs.BenchError as exc:
-        print(f"commbench: the benchmark job failed.\n{exc}", file=sys.stderr)
-        if not exc.rows:
-            print("No results written.", file=sys.stderr)
-            return 1
-        done = add_rates(exc.rows)
-        where = jobs.save(partial, lambda path: write_csv(path, done, FIELDS))
-        print(f"the {len(exc.rows)} points measured before the failure are in {where}",
-              file=sys.stderr)
-        return 1
-    report(add_rates(outcome.rows), args.out, args.plot)
-    partial.unlink(missing_ok=True)  # the whole run is in args.out now
-    return 0
+    return jobs.launch_and_report(
+        "pcourse.bench.comm", argv, max(args.spec.ranks), timeout=args.timeout,
+        partial=args.out.with_suffix(".partial.csv"),
+        write=lambda path, rows: write_csv(path, add_rates(rows), FIELDS),
+        report=lambda outcome: report(add_rates(outcome.rows), args.out, args.plot),
+        what="communication benchmark")
 
 
 if __name__ == "__main__":

@@ -396,6 +396,39 @@ def launch(module: str, argv: Sequence[str], ranks: int, *, timeout: float,
     return outcome
 
 
+def launch_and_report(module: str, argv: Sequence[str], ranks: int, *, timeout: float,
+                      partial: str | os.PathLike[str],
+                      write: Callable[[Path, list[dict]], object],
+                      report: Callable[[Outcome], object], what: str = "benchmark",
+                      env: dict[str, str] | None = None) -> int:
+    """Every benchmark's launcher: :func:`launch`, then ``report(outcome)``; an exit code.
+
+    The rows measured so far are kept in ``partial`` as they come (``write(path, rows)``),
+    so a failure, even a SIGKILL of this launcher, loses none: a failure says where
+    they are, and returns 1. After the report the whole run is in its own files, and
+    ``partial`` goes (an earlier run's goes at the start: it is not this run's).
+    """
+    partial = Path(partial)
+    partial.unlink(missing_ok=True)
+
+    def keep(rows: list[dict]) -> Path:
+        return save(partial, lambda path: write(path, rows))
+
+    try:
+        outcome = launch(module, argv, ranks, timeout=timeout, env=env, partial=keep)
+    except BenchError as exc:
+        print(f"error: the {what} job failed: {exc}", file=sys.stderr)
+        if exc.rows:
+            print(f"the {len(exc.rows)} row(s) measured before the failure are in "
+                  f"{keep(exc.rows)}", file=sys.stderr)
+        else:
+            print("No results written.", file=sys.stderr)
+        return 1
+    report(outcome)
+    partial.unlink(missing_ok=True)
+    return 0
+
+
 # ---- the command line's checks and results files --------------------------------------
 
 

@@ -467,27 +467,16 @@ def main(argv: list[str] | None = None) -> int:
             inner_argv += ["--save-model", str(Path(tmp) / "model.pt")]
             spec = dataclasses.replace(spec, save_model=inner_argv[-1])
         before = time.perf_counter() - entered
-        partial = Path(args.out) / f"{args.workload}_{spec.config.scaling}.partial.csv"
-        partial.unlink(missing_ok=True)  # an earlier run's: not this one's
 
-        def keep(rows: list[dict]) -> None:
-            jobs.save(partial, lambda path: write_csv(path, rows, FIELDS))
+        def reported(outcome: Outcome) -> None:
+            outcome.phases["launcher: before the job"] = before
+            report(args, spec, outcome)
 
-        try:
-            outcome = jobs.launch("pcourse.bench.scaling", inner_argv, max(args.ranks),
-                                  timeout=args.timeout * len(spec.plan()) + 120, partial=keep)
-        except BenchError as exc:
-            print(f"error: the benchmark job failed: {exc}", file=sys.stderr)
-            if exc.rows:
-                done = exc.rows
-                where = jobs.save(partial, lambda path: write_csv(path, done, FIELDS))
-                print(f"the {len(exc.rows)} run(s) finished before the failure are in {where}",
-                      file=sys.stderr)
-            return 1
-        outcome.phases["launcher: before the job"] = before
-        report(args, spec, outcome)
-        partial.unlink(missing_ok=True)  # the whole run is in the CSV now
-    return 0
+        return jobs.launch_and_report(
+            "pcourse.bench.scaling", inner_argv, max(args.ranks),
+            timeout=args.timeout * len(spec.plan()) + 120,
+            partial=Path(args.out) / f"{args.workload}_{spec.config.scaling}.partial.csv",
+            write=lambda path, rows: write_csv(path, rows, FIELDS), report=reported)
 
 
 def report(args: argparse.Namespace, spec: ScalingSpec, outcome: Outcome) -> None:

@@ -259,14 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(f"{exc}\nNothing was started.")
     if note:
         print(note)
-    try:
-        outcome = jobs.launch("pcourse.bench.sharding", argv, max(spec.ranks),
-                              timeout=args.timeout, env={"OMP_NUM_THREADS": "1"})
-    except jobs.BenchError as exc:
-        print(f"error: the sharding benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    report(outcome.rows, args.out)
-    return 0
+    return jobs.launch_and_report(
+        "pcourse.bench.sharding", argv, max(spec.ranks), timeout=args.timeout,
+        partial=Path(args.out).with_suffix(".partial.csv"),
+        write=lambda path, rows: write_csv(path, rows, FIELDS),
+        report=lambda outcome: report(outcome.rows, args.out), what="sharding benchmark",
+        env={"OMP_NUM_THREADS": "1"})
 
 
 if __name__ == "__main__":

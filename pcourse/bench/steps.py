@@ -524,19 +524,12 @@ def main(argv: list[str] | None = None) -> int:
     if note:
         print(note)
     inner = [*argv, "--workloads", *spec.workloads]
-    try:
-        outcome = jobs.launch("pcourse.bench.steps", inner, max(spec.ranks),
-                              timeout=args.timeout, env={"OMP_NUM_THREADS": "1"})
-    except jobs.BenchError as exc:
-        print(f"error: the step benchmark failed: {exc}", file=sys.stderr)
-        if exc.rows:
-            partial = args.out.removesuffix(".csv") + ".partial.csv"
-            done = with_ratios(exc.rows)
-            where = jobs.save(partial, lambda path: write_csv(path, done, FIELDS))
-            print(f"the rows measured before the failure are in {where}", file=sys.stderr)
-        return 1
-    report(outcome.rows, args.out)
-    return 0
+    return jobs.launch_and_report(
+        "pcourse.bench.steps", inner, max(spec.ranks), timeout=args.timeout,
+        partial=args.out.removesuffix(".csv") + ".partial.csv",
+        write=lambda path, rows: write_csv(path, with_ratios(rows), FIELDS),
+        report=lambda outcome: report(outcome.rows, args.out), what="step benchmark",
+        env={"OMP_NUM_THREADS": "1"})
 
 
 if __name__ == "__main__":
