@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from pcourse.backends.base import (
+    OPS,
     AsyncBackend,
     Backend,
     Pending,
@@ -45,6 +46,14 @@ def _default_device() -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
+
+
+def mpi_op(op: str) -> Any:
+    """MPI's reduction for ``op``; ``avg`` is a sum, divided by the caller."""
+    from mpi4py import MPI
+
+    return {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN,
+            "prod": MPI.PROD}[op]
 
 class _MPICommBackend(Backend):
     """What both MPI modes share: a private communicator, waits, and barrier."""
@@ -140,9 +149,7 @@ class MPIBackend(_MPICommBackend, AsyncBackend):
         return t.to("cpu").contiguous(), True
 
     def _op(self, op: str) -> Any:
-        MPI = self._MPI
-        return {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN,
-                "prod": MPI.PROD}[op]
+        return mpi_op(op)
 
     # ---------------------------------------------------- sharding (lesson 10)
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
@@ -208,8 +215,7 @@ class MPIPickleBackend(_MPICommBackend):
         MPI = self._MPI
         self._max = MPI.Op.Create(lambda a, b, _t=None: torch.maximum(a, b), commute=True)
         self._min = MPI.Op.Create(lambda a, b, _t=None: torch.minimum(a, b), commute=True)
-        self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "max": self._max, "min": self._min,
-                     "prod": MPI.PROD}
+        self._ops = {**{op: mpi_op(op) for op in OPS}, "max": self._max, "min": self._min}
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum", *,
                   check: bool = True) -> torch.Tensor:

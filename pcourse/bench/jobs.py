@@ -176,8 +176,10 @@ def engine_entry(measure: Callable, spec: Any) -> tuple[int, Outcome | None]:
     if comm.rank == 0:
         from ipyparallel.datapub import publish_data
 
+        from pcourse.utils.progress import KEY
+
         def send(progress: Progress, line: str) -> None:
-            publish_data({"progress": (progress.count, progress.total, line,
+            publish_data({KEY: (progress.count, progress.total, line,
                                        dataclasses.asdict(progress.outcome))})
 
     progress = Progress(send)

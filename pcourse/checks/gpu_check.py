@@ -62,11 +62,11 @@ def mpi_reference(x: torch.Tensor, op: str) -> np.ndarray:
     """What MPI's own Allreduce on COMM_WORLD makes of every rank's ``x`` (on the host)."""
     from mpi4py import MPI
 
+    from pcourse.backends.mpi import mpi_op
+
     wide = x.dtype == torch.bfloat16  # numpy has no bfloat16: reduce its values in float32
     ref = (x.float() if wide else x).cpu().numpy().copy()
-    mpi_op = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN,
-              "prod": MPI.PROD}[op]
-    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, ref, op=mpi_op)
+    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, ref, op=mpi_op(op))
     if op == "avg":
         ref = ref / MPI.COMM_WORLD.Get_size()
     return ref

@@ -237,10 +237,12 @@ def execute(notebook: dict, limit: float, kernel: Kernel | None = None) -> Execu
 
 def _worker(conn: Connection, mark: str, engines: int) -> None:
     """Take jobs from ``conn`` until None; answer each with an Executed."""
+    from pcourse.grading.checks import CLUSTER_ENV
+
     os.environ[WORKER_MARK] = mark
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     where = Path(tempfile.mkdtemp(prefix="pcourse-grader-")) / "cluster.json"
-    os.environ["PCOURSE_GRADER_CLUSTER"] = str(where)
+    os.environ[CLUSTER_ENV] = str(where)
     mc, spare = None, None
     try:
         while (job := conn.recv()) is not None:

@@ -35,6 +35,7 @@ from pathlib import Path
 import nbformat
 import psutil
 
+from pcourse.runtime.ranks import MPI_RANK_VARS, gpu_count
 from pcourse.utils.io import atomic_write, course_folder
 from pcourse.workshop import render
 from pcourse.workshop.course import entries
@@ -42,8 +43,6 @@ from pcourse.workshop.course import entries
 DATA = Path("docs") / "lesson_timings.json"
 CELL_TIMEOUT = 3600  # seconds; full mode trains for many minutes in one cell
 _FULL_FLAG = re.compile(r"^FULL\s*=\s*False\b", re.M)
-# Set by mpiexec (MPICH's Hydra, Open MPI) in every rank it starts, engines included.
-_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK")
 
 
 @dataclass
@@ -85,7 +84,7 @@ class _Sampler(threading.Thread):
                 self.seen.setdefault(proc.pid, proc)
                 try:
                     rss += proc.memory_info().rss
-                    if any(v in proc.environ() for v in _RANK_VARS):
+                    if any(v in proc.environ() for v in MPI_RANK_VARS):
                         in_rank[proc.pid] = proc.ppid()
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     continue
@@ -167,7 +166,7 @@ def machine() -> dict[str, str | int | float]:
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
         else os.cpu_count() or 0,
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "gpus": gpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
