@@ -38,7 +38,7 @@ from pcourse import collectives
 from pcourse.bench import jobs
 from pcourse.bench.commreport import FIELDS, add_rates, human, report
 from pcourse.runtime.ranks import launcher
-from pcourse.utils.io import write_csv
+from pcourse.utils.io import NotWritable, check_writable, write_csv
 
 METHODS = ("mpi", "mpi-pickle", "tree", "ring", "recursive-doubling", "gloo", "nccl",
            "nccl-cupy")
@@ -299,9 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        lambda outcome: report(add_rates(outcome.rows), args.out, args.plot))
     try:
         note = jobs.check_ranks(args.spec.ranks, args.oversubscribe)
-        jobs.check_writable(args.out, "file")
-        jobs.check_writable(args.plot, "file")
-    except jobs.BenchError as exc:
+        check_writable(args.out, "file")
+        check_writable(args.plot, "file")
+    except (jobs.BenchError, NotWritable) as exc:
         args.error(f"{exc}\nNothing was started.")
     if note:
         print(note)

@@ -203,8 +203,7 @@ def print_report(rows: list[dict]) -> Fits:
 def report(rows: list[dict], out: Path, plot_path: Path) -> None:
     """Everything the command line prints and writes, from rows with rates. The CSV
     is written first: a plot that fails loses no measurement."""
-    from pcourse.bench.jobs import save
-    from pcourse.utils.io import write_csv
+    from pcourse.utils.io import save, write_csv
 
     fits = print_report(rows)
     out = save(out, lambda path: write_csv(path, rows, FIELDS))

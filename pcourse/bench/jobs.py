@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -414,6 +413,8 @@ def launch_and_report(module: str, argv: Sequence[str], ranks: int, *, timeout: 
     partial.unlink(missing_ok=True)
 
     def keep(rows: list[dict]) -> Path:
+        from pcourse.utils.io import save
+
         return save(partial, lambda path: write(path, rows))
 
     try:
@@ -499,44 +500,3 @@ def check_ranks(counts: Sequence[int], oversubscribe: bool) -> str:
             "wait for a core. Use fewer ranks, or pass --oversubscribe to run anyway.")
     return (f"note: {n} ranks on {cores} core(s): ranks share cores, so times at "
             f"{n} ranks include waiting for one")
-
-
-def check_writable(path: str | os.PathLike[str], kind: str = "folder") -> None:
-    """Make sure results can be written under ``path`` (a folder, or a file's folder).
-
-    Checked before any rank starts, so that hours of measuring are never lost to a
-    typo. Creates nothing: it probes the nearest existing folder.
-    """
-    target = Path(path).expanduser().absolute()
-    if kind == "file" and target.is_dir():
-        raise BenchError(f"{path} is a folder; give a file name")
-    if kind == "folder" and target.exists() and not target.is_dir():
-        raise BenchError(f"{path} exists and is not a folder")
-    folder = target.parent if kind == "file" else target
-    while not folder.exists():
-        folder = folder.parent
-    if not folder.is_dir():
-        raise BenchError(f"cannot write under {path}: {folder} is a file, not a folder")
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        raise BenchError(f"cannot write results under {path}: {folder} is not writable "
-                         f"({exc.strerror}); choose another --out") from None
-
-
-def save(path: str | os.PathLike[str], write: Callable[[Path], object]) -> Path:
-    """``write(path)``; if that fails, the same file in a fresh temp folder, saying so.
-
-    A late error (the disk filled up, the folder went away) must not lose what the
-    benchmark measured. Returns where the file went.
-    """
-    target = Path(path)
-    try:
-        write(target)
-        return target
-    except OSError as exc:
-        fallback = Path(tempfile.mkdtemp(prefix="pcourse-results-")) / target.name
-        write(fallback)
-        print(f"could not write {target} ({exc}); wrote {fallback} instead", file=sys.stderr)
-        return fallback

@@ -45,7 +45,7 @@ from pcourse.bench import jobs
 from pcourse.bench.flops import print_limits
 from pcourse.bench.jobs import BenchError, Outcome
 from pcourse.runtime.ranks import launcher
-from pcourse.utils.io import write_csv
+from pcourse.utils.io import NotWritable, check_writable, save, write_csv
 from pcourse.workloads.config import CONFIGS, FrankeConfig, MNISTConfig, batch_sizes
 
 CPU_BACKENDS = ("mpi", "mpi-pickle", "gloo")
@@ -456,8 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         note = jobs.check_ranks(args.ranks, args.oversubscribe)
         _check(spec)
-        jobs.check_writable(args.out)
-    except BenchError as exc:
+        check_writable(args.out)
+    except (BenchError, NotWritable) as exc:
         p.error(f"{exc}\nNothing was started.")
     if note:
         print(note)
@@ -485,7 +485,7 @@ def report(args: argparse.Namespace, spec: ScalingSpec, outcome: Outcome) -> Non
     started = time.perf_counter()
     rows, scaling = outcome.rows, spec.config.scaling
     stem = Path(args.out) / f"{args.workload}_{scaling}"
-    written = [jobs.save(stem.with_suffix(".csv"), lambda path: write_csv(path, rows, FIELDS))]
+    written = [save(stem.with_suffix(".csv"), lambda path: write_csv(path, rows, FIELDS))]
     table = aggregate(rows)
     print_table(table)
     print_limits(table)
@@ -503,7 +503,7 @@ def report(args: argparse.Namespace, spec: ScalingSpec, outcome: Outcome) -> Non
     if outcome.phases:
         outcome.phases["launcher: CSV, plot, pictures"] = time.perf_counter() - started
         print_phases(outcome.phases, rows)
-        written.append(jobs.save(stem.parent / f"{stem.name}_phases.csv",
+        written.append(save(stem.parent / f"{stem.name}_phases.csv",
                                  lambda path: write_phases(path, outcome.phases, rows)))
     print("wrote " + ", ".join(str(w) for w in written))
 

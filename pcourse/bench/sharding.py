@@ -24,7 +24,7 @@ from typing import Any
 
 from pcourse.bench import jobs
 from pcourse.runtime.ranks import launcher
-from pcourse.utils.io import write_csv
+from pcourse.utils.io import NotWritable, check_writable, save, write_csv
 
 STRATEGIES = ("ddp", "zero1", "zero2", "torch-zero", "fsdp", "torch-fsdp2")
 FIELDS = ["workload", "ranks", "strategy", "steps", "median_ms", "ratio_to_ddp",
@@ -225,8 +225,8 @@ def report(rows: list[dict], out: str) -> None:
               f"{r['ratio_to_ddp']:>7} {r['max_diff_vs_ddp']:>15}")
     for line in targets(rows):
         print(line)
-    print(f"wrote {jobs.save(out, lambda path: write_csv(path, rows, FIELDS))}")
-    print(f"wrote {jobs.save(Path(out).with_suffix('.png'), lambda path: plot(rows, path))}")
+    print(f"wrote {save(out, lambda path: write_csv(path, rows, FIELDS))}")
+    print(f"wrote {save(Path(out).with_suffix('.png'), lambda path: plot(rows, path))}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         jobs.rank_main(measure, spec, lambda outcome: report(outcome.rows, args.out))
     try:
         note = jobs.check_ranks(spec.ranks, args.oversubscribe)
-        jobs.check_writable(args.out, "file")
-    except jobs.BenchError as exc:
+        check_writable(args.out, "file")
+    except (jobs.BenchError, NotWritable) as exc:
         parser().error(f"{exc}\nNothing was started.")
     if note:
         print(note)

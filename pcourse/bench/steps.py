@@ -56,7 +56,7 @@ from typing import Any
 
 from pcourse.bench import jobs
 from pcourse.runtime.ranks import launcher
-from pcourse.utils.io import write_csv
+from pcourse.utils.io import NotWritable, check_writable, save, write_csv
 
 FIELDS = ["workload", "ranks", "path", "backend", "bucket_cap", "buckets", "local_batch",
           "params", "median_ms", "p25_ms", "p75_ms", "steps", "ratio_to_ddp",
@@ -411,7 +411,7 @@ def report(rows: list[dict], out: str) -> None:
     rows = with_ratios(rows)
     print_table(rows)
     print_targets(rows)
-    print(f"wrote {jobs.save(out, lambda path: write_csv(path, rows, FIELDS))}")
+    print(f"wrote {save(out, lambda path: write_csv(path, rows, FIELDS))}")
 
 
 # ---- front door 1: the lesson's engines ------------------------------------------------
@@ -517,9 +517,9 @@ def main(argv: list[str] | None = None) -> int:
         jobs.rank_main(measure, spec, lambda outcome: report(outcome.rows, args.out))
     try:
         note = jobs.check_ranks(spec.ranks, args.oversubscribe)
-        jobs.check_writable(args.out, "file")
+        check_writable(args.out, "file")
         spec = _without_missing_mnist(spec)
-    except jobs.BenchError as exc:
+    except (jobs.BenchError, NotWritable) as exc:
         p.error(f"{exc}\nNothing was started.")
     if note:
         print(note)

@@ -47,10 +47,9 @@ from pathlib import Path
 
 import nbformat
 
-from pcourse.bench.jobs import BenchError, check_writable, save
 from pcourse.grading import gradescope, submission
 from pcourse.grading.runner import HIDE_ENV, Executed, Job, run_jobs
-from pcourse.utils.io import course_folder, write_csv
+from pcourse.utils.io import NotWritable, check_writable, course_folder, save, write_csv
 
 NOTEBOOK_TIMEOUT = 240.0  # seconds per notebook, kernel start included; a setting, not a measure
 JOBS = max(1, (os.cpu_count() or 2) // 2)  # workers: one per two cores (a kernel, 4 engines)
@@ -481,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--class {args.folder}: no such folder")
         try:  # before the grading, which can take a while: never lose it to a typo
             check_writable(args.out or args.folder)
-        except BenchError as exc:
+        except NotWritable as exc:
             parser.error(f"--out: {exc}. Nothing was graded.")
         log = RowLog((args.out or args.folder) / "grades.partial.csv")
         rows = grade_class(args.folder, args.jobs, args.timeout, solutions, progress=log)

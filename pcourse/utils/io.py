@@ -18,8 +18,10 @@ import os
 import re
 import secrets
 import socket
+import sys
+import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -135,3 +137,48 @@ def savefig_atomic(fig: Any, path: str | os.PathLike[str], **kwargs: Any) -> Pat
     with atomic_write(path, "wb") as f:
         fig.savefig(f, **kwargs)
     return path
+
+
+class NotWritable(ValueError):
+    """Results could not be written where they were asked for; the message says why."""
+
+
+def check_writable(path: str | os.PathLike[str], kind: str = "folder") -> None:
+    """Make sure results can be written under ``path`` (a folder, or a file's folder).
+
+    Checked before any rank starts, so that hours of measuring are never lost to a
+    typo. Creates nothing: it probes the nearest existing folder.
+    """
+    target = Path(path).expanduser().absolute()
+    if kind == "file" and target.is_dir():
+        raise NotWritable(f"{path} is a folder; give a file name")
+    if kind == "folder" and target.exists() and not target.is_dir():
+        raise NotWritable(f"{path} exists and is not a folder")
+    folder = target.parent if kind == "file" else target
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise NotWritable(f"cannot write under {path}: {folder} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise NotWritable(f"cannot write results under {path}: {folder} is not writable "
+                         f"({exc.strerror}); choose another --out") from None
+
+
+def save(path: str | os.PathLike[str], write: Callable[[Path], object]) -> Path:
+    """``write(path)``; if that fails, the same file in a fresh temp folder, saying so.
+
+    A late error (the disk filled up, the folder went away) must not lose what the
+    benchmark measured. Returns where the file went.
+    """
+    target = Path(path)
+    try:
+        write(target)
+        return target
+    except OSError as exc:
+        fallback = Path(tempfile.mkdtemp(prefix="pcourse-results-")) / target.name
+        write(fallback)
+        print(f"could not write {target} ({exc}); wrote {fallback} instead", file=sys.stderr)
+        return fallback
