@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from pcourse.bench import comm, scaling, steps
+from pcourse.bench import commbench, scaling, steps
 from pcourse.cluster import launch, start_cluster, stop_cluster
 from pcourse.workloads import mnist
 from pcourse.workloads.config import FrankeConfig
 
 FRANKE = FrankeConfig.quick(epochs=1)
-COMM = comm.CommSpec.smoke(methods=("mpi", "ring", "gloo"), max_bytes=1024)
+COMM = commbench.CommSpec.smoke(methods=("mpi", "ring", "gloo"), max_bytes=1024)
 STEPS = steps.StepSpec.smoke(workloads=("franke",))
 
 
@@ -73,7 +73,7 @@ def test_scaling_same_losses_through_both_doors(view, tmp_path: Path, capsys) ->
 
 
 def test_comm_rows_of_the_same_shape_through_both_doors(view, tmp_path: Path) -> None:
-    rows = comm.run_on(view, COMM, progress=False)
+    rows = commbench.run_on(view, COMM, progress=False)
     out = tmp_path / "c.csv"
     cli("comm", "--smoke", "--methods", *COMM.methods, "--max-bytes", "1024", "--out", str(out))
     from_cli = read(out)

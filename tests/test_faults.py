@@ -467,19 +467,19 @@ def test_kill_marked_ends_exactly_the_marked_processes_that_are_not_spared() -> 
         env = {**os.environ, variable: val}
         return subprocess.Popen([sys.executable, "-c", code], env=env)
 
-    doomed = [start("PCOURSE_TEST_REAP", value), start("PCOURSE_TEST_REAP", value, stubborn)]
-    spared = start("PCOURSE_TEST_REAP", value)
-    others = [start("PCOURSE_TEST_REAP", value + "x"), start("PCOURSE_TEST_OTHER", value)]
+    doomed = [start("PCOURSE_TEST_OWNER", value), start("PCOURSE_TEST_OWNER", value, stubborn)]
+    spared = start("PCOURSE_TEST_OWNER", value)
+    others = [start("PCOURSE_TEST_OWNER", value + "x"), start("PCOURSE_CLUSTER", value)]
     try:
         deadline = time.monotonic() + 30
-        while len(marked(value, "PCOURSE_TEST_REAP")) < 3 and time.monotonic() < deadline:
+        while len(marked(value, "PCOURSE_TEST_OWNER")) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)  # the stubborn one has set its handler
-        kill_marked(value, grace=0.5, variable="PCOURSE_TEST_REAP", spare=[spared.pid])
+        kill_marked(value, grace=0.5, variable="PCOURSE_TEST_OWNER", spare=[spared.pid])
         # psutil reaped them (so Popen sees no exit status): they are gone, SIGTERM or not
         assert not any(psutil.pid_exists(p.pid) for p in doomed)
         assert all(p.poll() is None for p in [spared, *others])
-        assert [p.pid for p in marked(value, "PCOURSE_TEST_REAP")] == [spared.pid]
+        assert [p.pid for p in marked(value, "PCOURSE_TEST_OWNER")] == [spared.pid]
     finally:
         for p in [*doomed, spared, *others]:
             p.kill()

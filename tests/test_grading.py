@@ -215,7 +215,7 @@ def test_strip_and_inject_round_trip():
 
 def test_the_checks_communicator_counts_blocks_honestly_and_gives_up_on_deadlocks(mpi_run):
     """Synchronous sends, deadlines on every wait, reversed sub-worlds (tests/mpi)."""
-    out = mpi_run(3, "check_grading_comm.py", timeout=120)
+    out = mpi_run(3, "check_grading_trials.py", timeout=120)
     assert out.count(": ok") == 3, out
 
 
@@ -293,17 +293,17 @@ def test_what_the_engines_send_back_is_read_as_data_only():
     import numpy as np
     import torch
 
-    from pcourse.grading import checks
-    from pcourse.grading.comm import Call
+    from pcourse.grading import harness
+    from pcourse.grading.trials import Call
 
     data = {"grads": [torch.arange(6.0).reshape(2, 3), None], "x": np.ones(3, np.float32),
             "calls": [Call("Sendrecv", 4, 1)], "n": np.int64(3), "dtype": torch.float64,
             "where": ("127.0.0.1", 1234), "size": torch.Size([2, 3])}
-    back = checks.safe_loads(pickle.dumps(data))
+    back = harness.safe_loads(pickle.dumps(data))
     assert torch.equal(back["grads"][0], data["grads"][0]) and back["grads"][1] is None
     assert np.array_equal(back["x"], data["x"]) and back["calls"] == data["calls"]
     assert back["n"] == 3 and back["dtype"] is torch.float64 and back["where"] == data["where"]
-    assert checks._refusals(back) is None
+    assert harness._refusals(back) is None
 
     class Forged:
         def __reduce__(self):
@@ -311,15 +311,15 @@ def test_what_the_engines_send_back_is_read_as_data_only():
 
     import builtins
     printing = builtins.print
-    back = checks.safe_loads(pickle.dumps({"where": (Forged(), 1)}))
+    back = harness.safe_loads(pickle.dumps({"where": (Forged(), 1)}))
     assert builtins.print is printing  # nothing ran
-    assert isinstance(back["where"][0], checks.Refused)
-    assert checks._refusals(back) == "_pickle.loads"
-    forged_exec = checks.safe_loads(wrong.FORGE_PICKLE)
-    assert isinstance(forged_exec, checks.Refused) and builtins.print is printing
+    assert isinstance(back["where"][0], harness.Refused)
+    assert harness._refusals(back) == "_pickle.loads"
+    forged_exec = harness.safe_loads(wrong.FORGE_PICKLE)
+    assert isinstance(forged_exec, harness.Refused) and builtins.print is printing
 
 
-SETUP = "import numpy as np\nfrom mpi4py import MPI\nfrom pcourse.grading.checks import run\n" \
+SETUP = "import numpy as np\nfrom mpi4py import MPI\nfrom pcourse.grading.harness import run\n" \
         "mc = start()\n"
 THEIRS = "def f(comm):\n    pass\n"
 
@@ -347,7 +347,7 @@ def test_ordinary_learner_code_is_not_called_tampering(code):
     ("exec('run = None')\n", "uses `exec`"),
     ("globals()['run'] = None\n", "uses `globals`"),
     ("%time x = 1\n", "IPython magic"),
-    ("import sys\nsys.modules['pcourse.grading.checks'].verdict = print\n", "imports sys"),
+    ("import sys\nsys.modules['pcourse.grading.harness'].verdict = print\n", "imports sys"),
     ("x = mc.view\n", "uses `mc`"),
     ("f = (lambda: 0).__globals__\n", "__globals__"),
 ])

@@ -88,7 +88,7 @@ DISTRIBUTIONS = {"torch": "torch", "numpy": "numpy", "mpi4py": "mpi4py", "ipypar
                  "cupy": "cupy-cuda12x", "playwright": "playwright",
                  "myst_nb": "myst-nb", "sphinx_book_theme": "sphinx-book-theme",
                  "jupyter_client": "jupyter_client",
-                 "jupyter_core": "jupyter_core"}
+                 "jupyter_core": "jupyter_core", "ipykernel": "ipykernel"}
 
 
 def _imported_modules(folder: Path) -> set[str]:

@@ -1,6 +1,6 @@
 """Benchmarks: every speed claim of the course, measured and printed side by side.
 
-``comm`` (allreduce latency and bandwidth, with ``commreport`` to read the rows),
+``commbench`` (allreduce latency and bandwidth, with ``commreport`` to read the rows),
 ``scaling`` (training time per backend and rank count), ``steps`` (per-step time
 of each gradient-averaging strategy, against DDP), ``versus`` (the scaling command
 beside the source's own script). Each measures with one function that runs on
@@ -12,9 +12,9 @@ On a lesson's cluster (``mc = start_cluster(N)``), each call returns the rows
 (dicts, the CSV's columns) and shows a progress bar; a rank count below N runs on
 the first engines while the others wait::
 
-    from pcourse.bench import comm, commreport, scaling, steps
+    from pcourse.bench import commbench, commreport, scaling, steps
 
-    rows = comm.run_on(mc.view, comm.CommSpec() if FULL else comm.CommSpec.quick())
+    rows = commbench.run_on(mc.view, commbench.CommSpec() if FULL else commbench.CommSpec.quick())
     commreport.print_report(rows); commreport.plot(rows, commreport.fit_all(rows))
 
     rows = scaling.run_on(mc.view, "franke", CONFIG, backends=["mpi", "mpi-pickle", "gloo"],

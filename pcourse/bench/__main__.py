@@ -3,7 +3,7 @@
 One front door.
 
 ``franke`` and ``mnist`` go to :mod:`pcourse.bench.scaling`; ``steps`` and ``comm``
-to :mod:`pcourse.bench.steps` and :mod:`pcourse.bench.comm`; ``versus-source``
+to :mod:`pcourse.bench.steps` and :mod:`pcourse.bench.commbench`; ``versus-source``
 times the scaling command beside the source's own script
 (:mod:`pcourse.bench.versus`); ``mpich-allreduce`` forces each of MPICH's allreduce
 algorithms in turn (:mod:`pcourse.bench.mpich`); ``sharding`` sets ZeRO and FSDP beside
@@ -13,7 +13,7 @@ launcher starts its ranks before anything loads torch.
 
 import sys
 
-COMMANDS = {"steps": "pcourse.bench.steps", "comm": "pcourse.bench.comm",
+COMMANDS = {"steps": "pcourse.bench.steps", "comm": "pcourse.bench.commbench",
             "versus-source": "pcourse.bench.versus", "mpich-allreduce": "pcourse.bench.mpich",
             "sharding": "pcourse.bench.sharding"}
 

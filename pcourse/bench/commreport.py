@@ -1,6 +1,6 @@
 """Reading an allreduce benchmark: rates, tables, the alpha-beta fit, the plot.
 
-:mod:`pcourse.bench.comm` measures; this module turns its rows (or the CSV it wrote,
+:mod:`pcourse.bench.commbench` measures; this module turns its rows (or the CSV it wrote,
 via :func:`read_rows`) into what a learner compares: latency, algorithm and bus
 bandwidth side by side with the speed relative to MPI's native ``Allreduce``, and
 a log-log plot where the fitted alpha-beta model shows where latency ends and

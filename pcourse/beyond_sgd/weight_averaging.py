@@ -1,6 +1,6 @@
 """Averaging weights instead of gradients: local SGD, federated averaging, once at the end.
 
-:func:`train` runs one of :data:`METHODS` on this rank's shards of Franke's
+:func:`run_method` runs one of :data:`METHODS` on this rank's shards of Franke's
 regression (:mod:`pcourse.workloads.franke`), with a small network and SGD written
 out by hand (optionally with momentum), so the methods differ only in what they
 average and when; "exact" (gradients averaged every step) is the reference.
@@ -183,13 +183,13 @@ def _measure(model: nn.Module, backend: Backend, x_test: torch.Tensor, y_test: t
     """Test loss of the ranks' averaged model and the mean of their own; touches no weights."""
     own = nn.functional.mse_loss(model(x_test), y_test)
     buf = torch.cat([parameters_to_vector(model.parameters()), own.reshape(1)])
-    backend.allreduce(buf, "avg", check=False)  # train() checked the model once
+    backend.allreduce(buf, "avg", check=False)  # run_method() checked the model once
     probe = copy.deepcopy(model)
     vector_to_parameters(buf[:-1], probe.parameters())
     return nn.functional.mse_loss(probe(x_test), y_test).item(), buf[-1].item()
 
 
-def train(
+def run_method(
     method: str, backend: Backend, setup: Setup, *, k: int = 1, fraction: float = 1.0,
     independent_init: bool = False,
 ) -> Run:

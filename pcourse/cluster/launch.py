@@ -262,7 +262,7 @@ def mpirun(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python *args`` on n MPI ranks; return its completed process (text output).
 
-    ``args`` follow the Python interpreter: ``["-m", "pcourse.bench.comm", ...]`` or
+    ``args`` follow the Python interpreter: ``["-m", "pcourse.bench.commbench", ...]`` or
     ``["path/to/script.py", ...]``. ``echo`` gets each line of output as it comes
     (a long benchmark shows its progress), and the output is still returned.
     ``hostfile`` spreads the ranks over the nodes it lists (see :func:`mpi_launcher`);

@@ -7,7 +7,7 @@ the right answer without the learner's code and, where it can, without this
 course's code either: torch's own ``DistributedSampler``, MPI's own ``Allreduce``,
 a single process training on the whole batch, a serial simulation of every rank.
 
-Trials take the world from :func:`pcourse.grading.comm.world` (the sub-communicator
+Trials take the world from :func:`pcourse.grading.trials.world` (the sub-communicator
 the check runs at) and make their own MPI calls *before* the learner's code, never
 after: a learner's rank that failed must not leave the others waiting in ours.
 """
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pcourse.grading.comm import CountingComm, world
+from pcourse.grading.trials import CountingComm, world
 from pcourse.runtime import private
 
 BATCH = 60  # global batch of the gradient exercises: equal shards at 2, 3, 4, 5 and 6 ranks

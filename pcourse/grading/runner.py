@@ -3,7 +3,7 @@
 Starting MPI engines costs seconds; a class of 30 learners hands in 210 notebooks.
 So each worker starts one cluster of :data:`ENGINES` engines and runs notebook
 after notebook on it, each in a fresh kernel that attaches to the cluster
-(:func:`pcourse.grading.checks.start_cluster`). Between notebooks the worker
+(:func:`pcourse.grading.harness.start_cluster`). Between notebooks the worker
 checks that every engine still answers through MPI, and resets what one learner's
 code could leave behind (namespaces, a torch.distributed group, torch defaults,
 environment variables); when a notebook left the engines stuck, killed one, or
@@ -61,13 +61,13 @@ class Executed:
 # ---------------------------------------------------------------- in the worker
 
 def _healthy(mc: Any, engines: int) -> bool:
-    from pcourse.grading import comm
+    from pcourse.grading import trials
 
     try:
         if len(mc.client.ids) < engines:
             return False
         view = mc.client[sorted(mc.client.ids)]
-        return all(view.apply_async(comm.health).get(timeout=15))
+        return all(view.apply_async(trials.health).get(timeout=15))
     except Exception:  # noqa: BLE001 - any failure means: start afresh
         return False
 
@@ -79,7 +79,7 @@ def _ready(mc: Any, engines: int, where: Path) -> Any:
     this worker is told about, so kernels started before a restart find the new one.
     """
     from pcourse.cluster import start_cluster
-    from pcourse.grading import comm
+    from pcourse.grading import trials
     from pcourse.utils.io import atomic_write
 
     if mc is not None and not _healthy(mc, engines):
@@ -94,7 +94,7 @@ def _ready(mc: Any, engines: int, where: Path) -> Any:
             f.write(source.read_text())
     ids = sorted(mc.client.ids)
     mc.client.clear(targets=ids, block=False).result(timeout=30)
-    mc.client[ids].apply_async(comm.reset).get(timeout=30)
+    mc.client[ids].apply_async(trials.reset).get(timeout=30)
     return mc
 
 
@@ -237,7 +237,7 @@ def execute(notebook: dict, limit: float, kernel: Kernel | None = None) -> Execu
 
 def _worker(conn: Connection, mark: str, engines: int) -> None:
     """Take jobs from ``conn`` until None; answer each with an Executed."""
-    from pcourse.grading.checks import CLUSTER_ENV
+    from pcourse.grading.harness import CLUSTER_ENV
 
     os.environ[WORKER_MARK] = mark
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"

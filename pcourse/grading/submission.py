@@ -15,11 +15,11 @@ other cell, source and expected output, from ``solutions/``:
 - :func:`prepare` does all three and returns the notebook to run.
 
 The learner's cells never run in the kernel that prints the verdicts: each becomes
-a cell that runs it on the engines (:func:`pcourse.grading.checks.define`) and binds
+a cell that runs it on the engines (:func:`pcourse.grading.harness.define`) and binds
 the names the exercise defines to stand-ins. The static reading is backed at run
 time as well: the grader adds a hidden cell after the setup that notes what the
 checks' names are bound to, and one before the first check that fails the notebook
-if any changed (:func:`pcourse.grading.checks.remember`).
+if any changed (:func:`pcourse.grading.harness.remember`).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def prepare(submission: nbformat.NotebookNode, solution: nbformat.NotebookNode,
                     and not _imports_course(n)]
     if CLUSTER_NAME not in names:
         raise ValueError(f"{name}: the setup binds no cluster named {CLUSTER_NAME!r}")
-    guard = f"import pcourse.grading.checks as _pcourse_checks\n_pcourse_checks.{{}}(globals(), " \
+    guard = f"import pcourse.grading.harness as _pcourse_checks\n_pcourse_checks.{{}}(globals(), " \
             f"{sorted(names)!r})"
     run = Runnable(nbformat.v4.new_notebook(metadata=copy.deepcopy(solution.metadata)), {}, [],
                    notes)
@@ -190,7 +190,7 @@ def _imports_course(node: ast.Import | ast.ImportFrom) -> bool:
 def _on_engines(source: str, names: list[str], imports: str) -> nbformat.NotebookNode:
     """A cell that runs a learner's ``source`` on the engines and binds ``names`` to stand-ins."""
     cell = nbformat.v4.new_code_cell(
-        "import pcourse.grading.checks as _pcourse_checks\n"
+        "import pcourse.grading.harness as _pcourse_checks\n"
         f"_pcourse_checks.define({CLUSTER_NAME}, {source!r}, {names!r}, globals(), {imports!r})")
     cell.metadata[LEARNER_SOURCE] = source
     return cell

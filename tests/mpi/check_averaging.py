@@ -14,7 +14,7 @@ from torch import nn
 
 from pcourse.backends import make_backend
 from pcourse.beyond_sgd.syncbn import SyncBatchNorm1d, naive_stats
-from pcourse.beyond_sgd.weight_averaging import Setup, select_ranks, serial_reference, train
+from pcourse.beyond_sgd.weight_averaging import Setup, run_method, select_ranks, serial_reference
 
 torch.set_num_threads(1)
 backend = make_backend(sys.argv[1] if len(sys.argv) > 1 else "mpi")
@@ -36,28 +36,29 @@ def close(a: torch.Tensor, b: torch.Tensor, what: str, atol: float = 1e-10) -> N
 # 1. Averaging weights after every plain SGD step is gradient averaging, which is
 #    serial SGD on the ranks' concatenated batches.
 reference = serial_reference(SETUP, size)
-close(train("local", backend, SETUP, k=1).final, reference, "local k=1 vs serial")
+close(run_method("local", backend, SETUP, k=1).final, reference, "local k=1 vs serial")
 ok("local_k1_equals_serial_large_batch")
-close(train("exact", backend, SETUP).final, reference, "exact vs serial")
+close(run_method("exact", backend, SETUP).final, reference, "exact vs serial")
 ok("exact_equals_serial_large_batch")
 
 # 1b. Momentum keeps it exact: each rank's velocity is linear in its gradients, so the
 #     mean of the ranks' velocities is exact SGD's (the velocities are never averaged).
 heavy = Setup(**{**SETUP.__dict__, "momentum": 0.9})
 heavy_reference = serial_reference(heavy, size)
-close(train("local", backend, heavy, k=1).final, heavy_reference, "momentum local k=1 vs serial")
+close(run_method("local", backend, heavy, k=1).final, heavy_reference,
+      "momentum local k=1 vs serial")
 drift = float((heavy_reference - reference).abs().max())
 assert drift > 1e-6, f"momentum should change the trajectory, changed it by {drift:.3g}"
 ok("momentum_local_k1_equals_serial_momentum")
 
 # 2. A wrong implementation must be caught: with k=5 the ranks drift between averages.
-drift = float((train("local", backend, SETUP, k=5).final - reference).abs().max())
+drift = float((run_method("local", backend, SETUP, k=5).final - reference).abs().max())
 assert drift > 1e-6, f"local k=5 should differ from serial SGD, differs by {drift:.3g}"
 ok("local_k5_differs_from_serial")
 
 # 3. Federated averaging with every rank selected is periodic averaging.
-close(train("fedavg", backend, SETUP, k=4, fraction=1.0).final,
-      train("local", backend, SETUP, k=4).final, "fedavg(all) vs local")
+close(run_method("fedavg", backend, SETUP, k=4, fraction=1.0).final,
+      run_method("local", backend, SETUP, k=4).final, "fedavg(all) vs local")
 ok("fedavg_all_selected_equals_local")
 
 # 4. Unselected ranks contribute nothing: with one rank per round and k = steps,
@@ -65,8 +66,8 @@ ok("fedavg_all_selected_equals_local")
 solo = Setup(**{**SETUP.__dict__, "steps": 8, "eval_every": 8})
 chosen = select_ranks(size, 1 / size, solo.seed, 0)
 assert len(chosen) == 1
-got = train("fedavg", backend, solo, k=8, fraction=1 / size).final
-mine = train("local", backend, solo, k=10**6).final  # never averages: this rank alone
+got = run_method("fedavg", backend, solo, k=8, fraction=1 / size).final
+mine = run_method("local", backend, solo, k=10**6).final  # never averages: this rank alone
 owner = mine.clone() if rank == chosen[0] else torch.zeros_like(mine)
 backend.allreduce(owner, "sum")  # the chosen rank's solo weights, on every rank
 close(got, owner, "fedavg(one rank) vs that rank's solo run")
@@ -77,7 +78,7 @@ ok("fedavg_unselected_contribute_nothing")
 if size >= 3:
     chosen = select_ranks(size, 2 / size, solo.seed, 0)
     assert len(chosen) == 2
-    got = train("fedavg", backend, solo, k=8, fraction=2 / size).final
+    got = run_method("fedavg", backend, solo, k=8, fraction=2 / size).final
     share = mine.clone() / 2 if rank in chosen else torch.zeros_like(mine)
     backend.allreduce(share, "sum")  # the mean of the chosen ranks' solo weights
     close(got, share, "fedavg(two ranks) vs the mean of their solo runs")
@@ -135,10 +136,10 @@ assert stable_err < 1e-3, f"rank {rank}: combined variance off by {stable_err:.3
 assert naive_err > 0.1, f"rank {rank}: E[x²]-E[x]² was expected to fail, off by {naive_err:.3g}"
 ok("syncbn_variance_is_stable_in_float32")
 
-# 8. train checks once that the ranks hold the same model, then skips per-call checks:
+# 8. run_method checks once that the ranks hold the same model, then skips per-call checks:
 #    a mismatch must still be an error on every rank, not a hang.
 try:
-    train("local", backend, Setup(**{**SETUP.__dict__, "hidden": 32 + rank, "steps": 2}), k=1)
+    run_method("local", backend, Setup(**{**SETUP.__dict__, "hidden": 32 + rank, "steps": 2}), k=1)
 except ValueError as err:
     assert "same model" in str(err), err
 else:

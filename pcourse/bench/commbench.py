@@ -306,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if note:
         print(note)
     return jobs.launch_and_report(
-        "pcourse.bench.comm", argv, max(args.spec.ranks), timeout=args.timeout,
+        "pcourse.bench.commbench", argv, max(args.spec.ranks), timeout=args.timeout,
         partial=args.out.with_suffix(".partial.csv"),
         write=lambda path, rows: write_csv(path, add_rates(rows), FIELDS),
         report=lambda outcome: report(add_rates(outcome.rows), args.out, args.plot),

@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pcourse.grading import comm as _comm
-from pcourse.grading.comm import Call, CountingComm, DeadlockError  # noqa: F401 - re-exported
+from pcourse.grading import trials as _trials
+from pcourse.grading.trials import Call, CountingComm, DeadlockError  # noqa: F401 - re-exported
 
 SIZES = (2, 3)  # world sizes every check runs at: the engines a notebook starts
 GRADER_SIZES = (2, 3, 4)  # and under the grader, whose clusters have 4 engines: at 4 ranks
@@ -101,7 +101,7 @@ def start_cluster(n: int = max(SIZES)) -> Any:
     view.block = False
     view.use_cloudpickle().get(timeout=60)
     read_results_as_data()
-    ranks = view.apply_async(_comm.world_rank).get(timeout=60)
+    ranks = view.apply_async(_trials.world_rank).get(timeout=60)
     return Attached(client, view, [i for _, i in sorted(zip(ranks, ids, strict=True))])
 
 
@@ -126,7 +126,7 @@ class OnEngines:
     """A name a learner's cell binds, standing in the checking kernel for its engine value.
 
     Passed to :func:`run` (or named by a function shipped there) it arrives on the
-    engine as that engine's own object of the name (:func:`pcourse.grading.comm.learner_global`);
+    engine as that engine's own object of the name (:func:`pcourse.grading.trials.learner_global`);
     here it only has a name: calling it is a mistake of the check, said plainly.
     """
 
@@ -134,7 +134,7 @@ class OnEngines:
         self.__name__ = self.__qualname__ = name
 
     def __reduce__(self) -> tuple:
-        return (_comm.learner_global, (self.__name__,))
+        return (_trials.learner_global, (self.__name__,))
 
     def __repr__(self) -> str:
         return f"<{self.__name__}, defined on the engines>"
@@ -209,7 +209,7 @@ _DATA = {("builtins", n) for n in ("list", "dict", "set", "frozenset", "tuple", 
 _DATA |= {("collections", "OrderedDict"), ("copyreg", "_reconstructor"),
           ("torch", "Size"), ("torch._utils", "_rebuild_tensor_v2"),
           ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_parameter"),
-          ("pcourse.grading.comm", "Call")}
+          ("pcourse.grading.trials", "Call")}
 _DATA |= {(m, n) for m in ("numpy.core.multiarray", "numpy._core.multiarray")
           for n in ("_reconstruct", "scalar")}
 _DATA |= {("numpy", "ndarray"), ("numpy", "dtype")}
@@ -284,7 +284,7 @@ def run(mc: Any, fn: Callable, *args: Any, ranks: int, timeout: float = RUN_TIME
         **kwargs: Any) -> list:
     """``fn(*args, **kwargs)`` on every rank of a ``ranks``-rank world; results in rank order.
 
-    The world is a sub-communicator of the cluster (see :mod:`pcourse.grading.comm`);
+    The world is a sub-communicator of the cluster (see :mod:`pcourse.grading.trials`);
     the learner's functions among ``args`` (and those they call) are pushed to the
     engines first, so one may call another. Raises :class:`ExerciseError` saying at
     which size and on which rank the code failed, or that it never finished.
@@ -300,7 +300,7 @@ def run(mc: Any, fn: Callable, *args: Any, ranks: int, timeout: float = RUN_TIME
     mine = _learner_functions(args)
     if mine:
         mc.view.push(mine, block=True)
-    pending = [mc.client[i].apply_async(_comm.on_ranks, ranks, fn, args, kwargs) for i in ids]
+    pending = [mc.client[i].apply_async(_trials.on_ranks, ranks, fn, args, kwargs) for i in ids]
     outcomes, finished = _collect(pending, timeout)
     if not finished:
         _stuck = True
