@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -93,6 +94,39 @@ def test_agreement_passes_equal_facts_and_names_what_differs():
         _two_ranks({"length": 3, "dtype": "float32"}, {"length": 3, "dtype": "float64"})
     with pytest.raises(MismatchError, match="length ranges from 2 to 3.*; dtype differs"):
         _two_ranks({"length": 3, "dtype": "a"}, {"length": 2, "dtype": "b"})
+
+
+@pytest.mark.parametrize("errors", [["", "", ""], ["", "OSError: busy", ""],
+                                    ["ValueError: a", "", "KeyError: 'b'"]])
+def test_a_step_that_fails_on_any_rank_raises_on_every_rank_naming_them(errors):
+    """``everyone`` on rank 1 of three, whose own step succeeds: the others' errors decide."""
+    from pcourse.runtime.agree import RankFailure, everyone
+
+    class ThreeRanks:
+        def allgather(self, mine):
+            assert mine == ""  # this rank's step succeeded
+            return errors
+
+    waited = []
+    if not any(errors):
+        assert everyone(ThreeRanks(), lambda: 42, "x", lambda: waited.append(1)) == 42
+    else:
+        named = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+        with pytest.raises(RankFailure, match=f"^x failed on {re.escape(named)}$"):
+            everyone(ThreeRanks(), lambda: 42, "x", lambda: waited.append(1))
+    assert waited == [1]  # the slowest rank is waited for before the exchange
+
+
+def test_this_ranks_own_failure_is_reported_to_the_others():
+    from pcourse.runtime.agree import RankFailure, everyone
+
+    class Echo:
+        def allgather(self, mine):
+            return ["", mine]
+
+    with pytest.raises(RankFailure,
+                       match=r"^x failed on rank 1: ZeroDivisionError: division by zero$"):
+        everyone(Echo(), lambda: 1 / 0, "x")
 
 
 def test_a_refusing_rank_is_heard_and_raises_nothing_itself():

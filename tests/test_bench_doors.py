@@ -227,3 +227,8 @@ def test_oversubscribing_on_purpose_is_allowed(tmp_path, capsys, no_rank_may_sta
 
 def test_versus_source_needs_the_source(tmp_path, capsys) -> None:
     _refused(capsys, ["versus-source", "--source", str(tmp_path)], "main_franke.py is not in")
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_rank_groups_run_on_the_first_ranks_and_a_failure_reaches_every_rank(mpi_run, n):
+    mpi_run(n, "check_rank_groups.py", expect=f"rank groups ok on {n} ranks", timeout=120)

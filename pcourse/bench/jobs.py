@@ -136,21 +136,24 @@ class RankGroups:
 
     def run(self, p: int, fn: Callable[[Any], Any]) -> Any:
         """``fn(sub)`` on the first p ranks (their result), None on the others."""
+        from pcourse.runtime.agree import RankFailure, everyone
         from pcourse.runtime.ranks import threads
 
-        result, failure = None, None
-        if p in self.cores:
+        def step() -> Any:
+            if p not in self.cores:
+                return None  # sits this one out
             try:
                 with threads(self.cores[p]):
-                    result = fn(self.groups[p])
-            except Exception as exc:  # noqa: BLE001 - reported to every rank below
+                    return fn(self.groups[p])
+            except Exception:
                 traceback.print_exc()  # where it happened, for whoever debugs it
-                failure = f"{type(exc).__name__}: {exc}"
-        wait_politely(self.comm)
-        failures = [f for f in self.comm.allgather(failure) if f]
-        if failures:
-            raise BenchError(f"a run at {p} rank(s) failed: {failures[0]}")
-        return result
+                raise
+
+        try:
+            return everyone(self.comm, step, f"a run at {p} rank(s)",
+                            before_gather=lambda: wait_politely(self.comm))
+        except RankFailure as exc:
+            raise BenchError(str(exc)) from None
 
     def __enter__(self) -> RankGroups:
         return self

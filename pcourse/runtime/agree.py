@@ -10,20 +10,52 @@ joins with ``refused`` set, so the others raise instead of waiting for it foreve
 Used by the from-scratch collectives (lesson 03), every backend (lesson 04) and the
 model fingerprint of :mod:`pcourse.data_parallel`. numpy only: no torch, no MPI here;
 the caller passes the MAX-allreduce of its own transport.
+
+The same rule for a step that can fail on some ranks only (:func:`everyone`): the
+ranks exchange how it went, and if it failed anywhere, every rank raises the same
+error, naming the ranks, instead of some waiting forever for the others.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 
 MaxOverRanks = Callable[[np.ndarray], np.ndarray]  # int64 vector -> elementwise max over ranks
 
 
+T = TypeVar("T")
+
+
 class MismatchError(ValueError):
     """Ranks called one collective with different arguments, or a rank refused its own."""
+
+
+class RankFailure(RuntimeError):
+    """A step failed on some ranks; raised on every rank, naming each and its error."""
+
+
+def everyone(comm: Any, step: Callable[[], T], what: str,
+             before_gather: Callable[[], object] | None = None) -> T | None:
+    """``step()`` on this rank of ``comm`` (an mpi4py communicator); its result, or
+    RankFailure on every rank if it failed on any. Collective.
+
+    ``before_gather``: how to wait for the slowest rank first (a benchmark's ranks
+    that sat out sleep in a barrier rather than spin in the allgather).
+    """
+    try:
+        result, error = step(), ""
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        result, error = None, f"{type(exc).__name__}: {exc}"
+    if before_gather is not None:
+        before_gather()
+    failed = [f"rank {r}: {e}" for r, e in enumerate(comm.allgather(error)) if e]
+    if failed:
+        raise RankFailure(f"{what} failed on " + "; ".join(failed))
+    return result
 
 
 def _code(value: int | str) -> int:

@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from pcourse.runtime.agree import everyone
+
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 # torch reads it when it makes an NCCL group: 2 aborts the communicator on an error or
 # a timeout and raises in the waiting thread; torch's default (3) ends the process.
@@ -181,15 +183,7 @@ def rendezvous(mpi: Any, ifname_var: str, timeout: float) -> tuple[Any, str]:
 
 def _everyone(mpi: Any, step: Callable[[], Any]) -> Any:
     """Run ``step`` on every rank; if it fails on any, raise on all, naming the ranks."""
-    try:
-        result, error = step(), ""
-    except Exception as exc:  # noqa: BLE001 - reported to every rank below
-        result, error = None, f"{type(exc).__name__}: {exc}"
-    errors = mpi.allgather(error)
-    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-    if failed:
-        raise RuntimeError("torch.distributed rendezvous failed on " + "; ".join(failed))
-    return result
+    return everyone(mpi, step, "torch.distributed rendezvous")
 
 
 def _check_interface(ifname_var: str) -> None:
