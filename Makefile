@@ -130,6 +130,7 @@ reset: setup
 timings: setup
 	$(RUN) $(PY) -m pcourse.workshop.timings $(TIMINGS_ARGS)
 
-# Regenerate the troubleshooting table in INSTRUCTORS.md from the setup check's reasons.
+# Regenerate the generated blocks (the troubleshooting table in INSTRUCTORS.md from the
+# setup check's reasons, the timing tables from the stored measurements), running nothing.
 troubleshooting: setup
-	$(RUN) $(PY) -m pcourse.workshop.troubleshooting
+	$(RUN) $(PY) -m pcourse.workshop.timings --render

@@ -178,9 +178,9 @@ def test_not_ready_is_printed_only_through_the_reasons():
 
 
 def test_troubleshooting_table_has_every_reason_and_its_fix():
-    from pcourse.workshop.troubleshooting import table
+    from pcourse.workshop.render import troubleshooting
 
-    rows = [r for r in table().splitlines()[2:]]
+    rows = [r for r in troubleshooting().splitlines()[2:]]
     codes = [re.match(r"\| `([\w-]+)` \|", r).group(1) for r in rows]
     assert codes == list(setup_check.REASONS)
     for row, reason in zip(rows, setup_check.REASONS.values(), strict=True):

@@ -5,7 +5,7 @@ are installed, does MPI start engines, which of the four allreduce backends can
 run here (and if not, why not), and does an allreduce across two engines give the
 right answer. It ends with one READY line, or with one NOT READY line per problem,
 each naming one of the :data:`REASONS` below and its fix. They are all the reasons it
-can give: ``python -m pcourse.workshop.troubleshooting`` turns them into the
+can give: ``python -m pcourse.workshop.timings --render`` turns them into the
 instructors' troubleshooting table.
 
 Also a command: ``python -m pcourse.checks.setup_check [-n ENGINES]``.

@@ -1,4 +1,5 @@
-"""Turn the measured lesson times into the tables of ``index.ipynb`` and ``INSTRUCTORS.md``.
+"""The generated blocks of ``index.ipynb`` and ``INSTRUCTORS.md``: timing tables from the
+measured lesson times, and the setup check's troubleshooting table.
 
 Each table sits between two markers in its file::
 
@@ -311,14 +312,28 @@ def workshop_plans(data: dict, root: Path) -> str:
     return "\n".join(out)
 
 
-def _troubleshooting(data: dict, root: Path) -> str:
-    from pcourse.workshop.troubleshooting import table
+def _md_cell(text: str) -> str:
+    """Text for a markdown table cell; ``{field}`` placeholders shown as *field*."""
+    return re.sub(r"\{(\w+)\}", r"*\1*", text).replace("|", r"\|")
 
-    return table()
+
+def troubleshooting(data: dict | None = None, root: Path | None = None) -> str:
+    """Markdown: every NOT READY reason the setup check can print, with its fix.
+
+    From :data:`pcourse.checks.setup_check.REASONS`, the one list the check itself
+    prints from, so the table cannot miss a reason or drift from what learners see.
+    """
+    from pcourse.checks.setup_check import REASONS  # the check imports the cluster's tools
+
+    lines = ["| code | the check prints | fix |", "|---|---|---|"]
+    for reason in REASONS.values():
+        lines.append(f"| `{reason.code}` | NOT READY [{reason.code}]: {_md_cell(reason.says)} | "
+                     f"{_md_cell(reason.fix)} |")
+    return "\n".join(lines)
 
 
 BLOCKS = {"course-index": course_index, "lesson-needs": lesson_needs,
-          "workshop-plans": workshop_plans, "troubleshooting": _troubleshooting}
+          "workshop-plans": workshop_plans, "troubleshooting": troubleshooting}
 
 
 def updated(data: dict, root: Path) -> dict[Path, str]:
