@@ -144,9 +144,18 @@ def _epoch(wl: Workload, opt, backend, sync, batches, epoch: int, device) -> flo
     return (total[0] / total[1]).item()
 
 
-def _fit(wl: Workload, backend, sync, opt, scheduler, config, rank, size, local, device,
-         progress: bool):
+def _place(backend: Backend | None) -> tuple[int, int, torch.device]:
+    """(rank, size, device); the serial reference is rank 0 of 1, on the CPU."""
+    if backend is None:
+        return 0, 1, torch.device("cpu")
+    return backend.rank, backend.size, backend.device
+
+
+def _fit(wl: Workload, backend: Backend | None, sync: Any, optimizer: tuple[Any, Any],
+         config: Any, local: int, progress: bool) -> tuple[list[float], list[float], int]:
     """All epochs; returns (per-epoch losses, per-epoch seconds, steps per epoch)."""
+    rank, size, device = _place(backend)
+    opt, scheduler = optimizer
     losses, times, steps = [], [], 0
     bar = Bar(config.epochs, f"{wl.name} ×{size}", "epoch") if progress and rank == 0 else None
     for epoch in range(config.epochs):
@@ -183,21 +192,19 @@ def train(
     output behind (:mod:`pcourse.utils.progress`). ``sync`` chooses how gradients are
     averaged (see :func:`gradient_sync`). The final weights are compared across ranks.
     """
-    rank, size = (backend.rank, backend.size) if backend is not None else (0, 1)
-    device = backend.device if backend is not None else torch.device("cpu")
+    _, size, device = _place(backend)
     config = config if config is not None else default_config(workload)
     wl = workload if isinstance(workload, Workload) else make_workload(workload, config, device)
     local, global_ = batch_sizes(config.scaling, config.batch_size, size, wl.n_train)
 
     # Setup, not training: torch's first optimiser imports torch._dynamo.
-    opt, scheduler = wl.make_optimizer(wl.model)
+    optimizer = wl.make_optimizer(wl.model)
     start = time.perf_counter()
     if backend is not None:
         broadcast_parameters(wl.model, backend, root=0)
     with (gradient_sync(wl.model, backend, sync) as grad_sync,
           threads(getattr(config, "threads", None))):
-        losses, times, steps = _fit(wl, backend, grad_sync, opt, scheduler, config, rank, size,
-                                    local, device, progress)
+        losses, times, steps = _fit(wl, backend, grad_sync, optimizer, config, local, progress)
     deviation = None
     if backend is not None:
         deviation = check_consistency(wl.model, backend).max_deviation

@@ -49,6 +49,14 @@ def test_ipykernel_calls_the_hooks_around_each_request():
         assert f"self.{hook}()" in inspect.getsource(Kernel), f"ipykernel never calls {hook}"
 
 
+def test_mpi4py_still_maps_numpy_type_codes_to_datatypes():
+    from mpi4py import MPI
+
+    assert isinstance(getattr(MPI, "_typedict", None), dict), "mpi4py has no MPI._typedict"
+    assert private.mpi_datatype("d") == MPI.DOUBLE and private.mpi_datatype("f") == MPI.FLOAT
+    assert private.mpi_datatype("no such code") is None
+
+
 def test_torchs_foreach_copy_still_copies_a_list_of_tensors():
     a, b = [torch.zeros(2), torch.zeros(3)], [torch.ones(2), torch.arange(3.0)]
     torch._foreach_copy_(a, b)

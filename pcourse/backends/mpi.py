@@ -36,6 +36,7 @@ from pcourse.backends.base import (
     divides_first,
     private_comm,
 )
+from pcourse.runtime import private
 from pcourse.runtime.waits import wait_request
 
 
@@ -183,10 +184,8 @@ class MPIBackend(_MPICommBackend, AsyncBackend):
 
 
 def _mpi_has_float16() -> bool:
-    from mpi4py import MPI
-
     # MPICH maps numpy's float16 to MPIX_C_FLOAT16; an MPI without it gets float32.
-    return getattr(MPI, "_typedict", {}).get("e") not in (None, MPI.DATATYPE_NULL)
+    return private.mpi_datatype("e") is not None
 
 
 class MPIPickleBackend(_MPICommBackend):

@@ -1,7 +1,8 @@
 """The private names of the libraries under the course, read in one place.
 
-Interrupting engines, and the grader's look at a learner's process group, reach
-into a few names that ipyparallel, ipykernel and torch do not promise to keep.
+Interrupting engines, the grader's look at a learner's process group, and the MPI
+backend's question whether MPI has a float16 reach into a few names that ipyparallel,
+ipykernel, torch and mpi4py do not promise to keep.
 Each is read here, by a function named for what it gives, so that a release that
 renames one breaks one function; ``tests/test_private.py`` checks every one against
 the installed libraries and fails naming the library and the name, not deep inside
@@ -29,6 +30,14 @@ def mux_stream(client: Any) -> Any:
 def targets_of(result: Any) -> Any:
     """The engine ids an ipyparallel AsyncResult was sent to."""
     return result._targets
+
+
+def mpi_datatype(code: str) -> Any:
+    """The MPI datatype mpi4py sends a numpy type code (``"e"``: float16) as; None if none."""
+    from mpi4py import MPI
+
+    found = getattr(MPI, "_typedict", {}).get(code)
+    return None if found in (None, MPI.DATATYPE_NULL) else found
 
 
 def default_store() -> Any:
