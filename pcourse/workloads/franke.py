@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pcourse.workloads.base import Workload
+from pcourse.workloads.base import Workload, source_adam
 from pcourse.workloads.config import FrankeConfig
 
 __all__ = ["DOMAIN", "DOMAIN_AS_IN_SOURCE", "FrankeConfig", "franke", "franke_as_in_source",
@@ -99,15 +99,9 @@ def make_workload(config: FrankeConfig | None = None, device: str = "cpu") -> Wo
         # averaged gradients over ranks equal the serial large-batch gradient.
         return nn.functional.mse_loss(net(x[idx]), y[idx], reduction="sum")
 
-    def optimizer(net: nn.Module):
-        # The source's Adam; fused: one kernel steps every parameter (the same update up to
-        # rounding; its per-tensor loop was a third of a Franke step on a CPU)
-        opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                               fused=True)
-        return opt, torch.optim.lr_scheduler.ExponentialLR(opt, gamma=cfg.gamma)
-
     @torch.no_grad()
     def evaluate(net: nn.Module) -> float:
         return nn.functional.mse_loss(net(x_test), y_test).item()
 
-    return Workload("franke", model, cfg.n_points, loss_sum, optimizer, evaluate)
+    return Workload("franke", model, cfg.n_points, loss_sum,
+                    lambda net: source_adam(net, cfg), evaluate)

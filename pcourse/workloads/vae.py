@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pcourse.workloads.base import Workload
+from pcourse.workloads.base import Workload, source_adam
 from pcourse.workloads.config import MNISTConfig
 from pcourse.workloads.mnist import train_and_held_out
 
@@ -107,13 +107,6 @@ def make_workload(config: MNISTConfig | None = None, device: str = "cpu") -> Wor
         logits, mu, logvar = net(batch, epoch_noise(epoch)[idx])
         return vae_loss(logits, batch, mu, logvar, reduction="sum")
 
-    def optimizer(net: nn.Module):
-        # The source's Adam; fused: one kernel steps every parameter (the same update up to
-        # rounding; its per-tensor loop was a third of a Franke step on a CPU)
-        opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                               fused=True)
-        return opt, torch.optim.lr_scheduler.ExponentialLR(opt, gamma=cfg.gamma)
-
     @torch.no_grad()
     def evaluate(net: nn.Module) -> float:
         """Mean loss per held-out image, at the mean code (no noise: deterministic)."""
@@ -121,7 +114,8 @@ def make_workload(config: MNISTConfig | None = None, device: str = "cpu") -> Wor
         logits, mu, logvar = net(x_eval, zeros)
         return vae_loss(logits, x_eval, mu, logvar).item()
 
-    return Workload("mnist", model, len(x), loss_sum, optimizer, evaluate)
+    return Workload("mnist", model, len(x), loss_sum,
+                    lambda net: source_adam(net, cfg), evaluate)
 
 
 @torch.no_grad()
