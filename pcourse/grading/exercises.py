@@ -36,7 +36,7 @@ from pathlib import Path
 
 import nbformat
 
-from pcourse.utils.io import atomic_write, course_folder
+from pcourse.utils.io import atomic_write, course_from
 
 BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:"
 YOUR_CODE = "# YOUR CODE HERE"
@@ -172,10 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="write nothing; exit 1 if exercises/ is stale")
     args = parser.parse_args(argv)
     if args.solutions is None or args.exercises is None:
-        try:
-            course = course_folder(args.course)
-        except ValueError as exc:
-            parser.error(str(exc))
+        course = course_from(parser, args.course)
         args.solutions = args.solutions or course / "solutions"
         args.exercises = args.exercises or course / "exercises"
     if args.check:

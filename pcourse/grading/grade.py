@@ -49,7 +49,14 @@ import nbformat
 
 from pcourse.grading import gradescope, submission
 from pcourse.grading.runner import HIDE_ENV, Executed, Job, run_jobs
-from pcourse.utils.io import NotWritable, check_writable, course_folder, save, write_csv
+from pcourse.utils.io import (
+    NotWritable,
+    check_writable,
+    course_folder,
+    course_from,
+    save,
+    write_csv,
+)
 
 NOTEBOOK_TIMEOUT = 240.0  # seconds per notebook, kernel start included; a setting, not a measure
 JOBS = max(1, (os.cpu_count() or 2) // 2)  # workers: one per two cores (a kernel, 4 engines)
@@ -465,10 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.timeout <= 0:
         parser.error(f"--timeout must be positive, got {args.timeout:g}")
-    try:
-        course = course_folder(args.course)
-    except ValueError as exc:
-        parser.error(str(exc))
+    course = course_from(parser, args.course)
     solutions = course / "solutions"
     # SIGTERM (a CI job cancelled, a terminal closed) cleans up like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -172,7 +172,7 @@ def _write(path: Path, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from pcourse.grading.grade import NOTEBOOK_TIMEOUT, grade
-    from pcourse.utils.io import course_folder
+    from pcourse.utils.io import course_from
 
     parser = argparse.ArgumentParser(
         prog="python -m pcourse.grading.gradescope",
@@ -187,10 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--course", type=Path, metavar="DIR",
                         help="the course's folder, with solutions/ (default: the current one)")
     args = parser.parse_args(argv)
-    try:
-        solutions = course_folder(args.course) / "solutions"
-    except ValueError as exc:
-        parser.error(str(exc))
+    solutions = course_from(parser, args.course) / "solutions"
     if not args.notebook.is_file():
         parser.error(f"no such notebook: {args.notebook}")
     if args.timeout <= 0:

@@ -117,6 +117,15 @@ def course_folder(path: str | os.PathLike[str] | None = None) -> Path:
     return root
 
 
+def course_from(parser: Any, path: str | os.PathLike[str] | None) -> Path:
+    """:func:`course_folder` for a command line: ``parser.error`` (exit 2) if it is not one."""
+    try:
+        return course_folder(path)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # parser.error exits; this is for the type checker
+
+
 def write_csv(
     path: str | os.PathLike[str], rows: Iterable[Mapping[str, Any]], fields: list[str]
 ) -> Path:

@@ -36,7 +36,7 @@ import nbformat
 import psutil
 
 from pcourse.runtime.ranks import MPI_RANK_VARS, gpu_count
-from pcourse.utils.io import atomic_write, course_folder
+from pcourse.utils.io import atomic_write, course_folder, course_from
 from pcourse.workshop import render
 from pcourse.workshop.course import entries
 
@@ -215,10 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--course", "--root", dest="root", type=Path, metavar="DIR",
                         help="the course's folder (default: the current folder)")
     args = parser.parse_args(argv)
-    try:
-        root = course_folder(args.root)
-    except ValueError as exc:
-        parser.error(str(exc))
+    root = course_from(parser, args.root)
     # Engines are launched with the venv's mpiexec, beside this Python.
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
 
