@@ -105,11 +105,12 @@ def gradient_sync(model: nn.Module, backend: Backend | None,
       the same cores.
 
     The ranks' gradients are compared once, at the first step. Yields None without
-    a backend (a serial run).
+    a backend (a serial run), and for "auto" at one rank: there the average is the
+    gradient itself, so the step is the serial one, on the backend's device.
     """
     if mode not in SYNC_MODES:
         raise ValueError(f"unknown gradient sync {mode!r}; use one of {', '.join(SYNC_MODES)}")
-    if backend is None:
+    if backend is None or (mode == "auto" and backend.size == 1):
         yield None
         return
     if mode == "auto":
@@ -131,7 +132,8 @@ def _epoch(wl: Workload, opt, backend, sync, batches, epoch: int, device) -> flo
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, samples)
     for batch in batches:
         idx = batch.to(device)
-        opt.zero_grad(set_to_none=False)
+        # Kept allocated while a sync runs: bucketed gradients are views into the buckets.
+        opt.zero_grad(set_to_none=sync is None)
         loss = wl.loss_sum(wl.model, idx, epoch)
         (loss / len(idx)).backward()  # mean over my share; averaged over ranks below
         if sync is not None:

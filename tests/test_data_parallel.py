@@ -121,6 +121,26 @@ def test_gradient_sync_refuses_an_unknown_mode_with_or_without_a_backend(one_ran
             pass
 
 
+def test_at_one_rank_auto_skips_the_average_and_the_step_is_the_serial_one(one_rank):
+    """One rank's gradient is the average: "auto" sends nothing, and its training run
+    (the workload's own loop) makes the serial run's weights, bit for bit; a mode asked
+    for by name still runs."""
+    from pcourse.loop import train
+    from pcourse.workloads.config import FrankeConfig
+
+    backend = one_rank()
+    with gradient_sync(nn.Linear(2, 1), backend, "auto") as sync:
+        assert sync is None
+    with gradient_sync(nn.Linear(2, 1), backend, "bucketed") as sync:
+        assert sync is not None
+    assert len(backend.sent) == 1  # the bucketed mode's model check; "auto" sent nothing
+    cfg = FrankeConfig(epochs=2, n_points=64, batch_size=16)
+    serial = train("franke", None, cfg, progress=False).model
+    alone = train("franke", one_rank(), cfg, progress=False).model
+    for a, b in zip(serial.parameters(), alone.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("mode", ["flat", "per-parameter", "bucketed"])
 def test_gradient_sync_compares_the_model_once(one_rank, mode):
     model, backend = nn.Linear(2, 1), one_rank()
