@@ -27,8 +27,9 @@ its default, ``bucket_cap_mb=None``, makes the first bucket 1 MiB). Gradients ar
 views into the buckets on every bucketed path (DDP: the non-default
 ``gradient_as_bucket_view=True``), and every path zeroes with
 ``zero_grad(set_to_none=False)`` as the course's training loop does whenever it
-averages, which keeps those views. The per-param paths call ``average_gradients(..., check=False)``: the
-strategy, without the course's shape check (two more small allreduces a step).
+averages, which keeps those views. The per-param paths call
+``average_gradients(..., check=False)``: the strategy, without the course's shape
+check (two more small allreduces a step).
 The target of issue 24 (:func:`targets`): at its best cap, bucketed+overlap at
 most 0.9x DDP's step at that cap, on the same backend.
 
