@@ -320,3 +320,13 @@ def test_the_runtime_layer_imports_nothing_else_of_the_package():
     bad = {p.name: sorted(m for m in _pcourse_imports(p) if not m.startswith("pcourse.runtime"))
            for p in runtime}
     assert not {k: v for k, v in bad.items() if v}, "the runtime layer importing other layers"
+
+
+def test_the_lines_per_lesson_idea_are_counted_from_what_the_lessons_show():
+    """``.ci/lesson_lines.py`` names the functions the lessons show: a renamed one breaks it."""
+    done = subprocess.run([sys.executable, ".ci/lesson_lines.py"], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    rows = [re.match(r"(\d\d .+?)\s+(\d+) / (\d+)", line) for line in done.stdout.splitlines()]
+    counts = [(int(m[2]), int(m[3])) for m in rows if m]
+    assert len(counts) >= 7 and all(0 < code <= everything for everything, code in counts)
