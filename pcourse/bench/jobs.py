@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pcourse.utils.io import save
+
 LAUNCHED_AT = "PCOURSE_LAUNCHED_AT"  # the launcher's clock when it started mpiexec
 
 
@@ -416,8 +418,6 @@ def launch_and_report(module: str, argv: Sequence[str], ranks: int, *, timeout: 
     partial.unlink(missing_ok=True)
 
     def keep(rows: list[dict]) -> Path:
-        from pcourse.utils.io import save
-
         return save(partial, lambda path: write(path, rows))
 
     try:

@@ -62,11 +62,13 @@ def address() -> str:
 
 
 @contextmanager
-def binding(ifname_var: str | tuple[str, ...] = IFNAME_VARS) -> Iterator[None]:
-    """Inside: groups made bind where the ranks met (loopback stays loopback), and an
-    NCCL group raises on a timeout rather than ending the process."""
-    with socket_ifname(ifname_var, _is_loopback(_address.rpartition(":")[0])), \
-            _nccl_error_handling():
+def binding(ifname_var: str | tuple[str, ...] = IFNAME_VARS,
+            where: str | None = None) -> Iterator[None]:
+    """Inside: groups made bind like the meeting point ``where`` (``host:port``; default:
+    where the ranks met), so loopback stays loopback, and an NCCL group raises on a
+    timeout rather than ending the process."""
+    host = (_address if where is None else where).rpartition(":")[0]
+    with socket_ifname(ifname_var, _is_loopback(host)), _nccl_error_handling():
         yield
 
 
@@ -94,12 +96,11 @@ def from_env(timeout: float) -> None:
 
     if dist.is_initialized():
         return
-    master = os.environ.get("MASTER_ADDR", "")
-    _address = f"{master}:{os.environ.get('MASTER_PORT', '')}"
-    with binding():
+    where = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    with binding(where=where):
         dist.init_process_group(_default_kind(), init_method="env://",
                                 timeout=timedelta(seconds=timeout))
-    _own_default = True
+    _own_default, _address = True, where
 
 
 def _default_kind() -> str:
@@ -133,12 +134,12 @@ def ensure_default_group(mpi: Any, ifname_var: str, timeout: float) -> None:
             "than this MPI job; call torch.distributed.destroy_process_group() on every "
             "rank, then create the backend again"
         )
-    store, _address = rendezvous(mpi, ifname_var, timeout)
-    with binding():  # the default group may be cpu:gloo,cuda:nccl: both bind sockets
+    store, where = rendezvous(mpi, ifname_var, timeout)
+    with binding(where=where):  # the default group may be cpu:gloo,cuda:nccl: both bind
         _everyone(mpi, lambda: dist.init_process_group(
             _default_kind(), store=store, rank=mpi.Get_rank(), world_size=mpi.Get_size(),
             timeout=timedelta(seconds=timeout)))
-    _own_default = True
+    _own_default, _address = True, where
 
 
 def rendezvous(mpi: Any, ifname_var: str, timeout: float) -> tuple[Any, str]:

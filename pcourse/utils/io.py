@@ -13,6 +13,7 @@ creates them, so they get the user's umask, not the 0600 of ``mkstemp``.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 import re
@@ -117,13 +118,12 @@ def course_folder(path: str | os.PathLike[str] | None = None) -> Path:
     return root
 
 
-def course_from(parser: Any, path: str | os.PathLike[str] | None) -> Path:
+def course_from(parser: argparse.ArgumentParser, path: str | os.PathLike[str] | None) -> Path:
     """:func:`course_folder` for a command line: ``parser.error`` (exit 2) if it is not one."""
     try:
         return course_folder(path)
     except ValueError as exc:
-        parser.error(str(exc))
-        raise  # parser.error exits; this is for the type checker
+        parser.error(str(exc))  # exits
 
 
 def write_csv(
