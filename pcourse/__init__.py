@@ -1,6 +1,8 @@
 """pcourse: data-parallel training from scratch.
 
-The top level is what the lessons teach, one idea per module, in lesson order:
+The top level is what the lessons teach, one idea per module, in lesson order (the
+lessons that teach each: the registry, ``course.toml``, lists the same; a test holds
+the two together):
 
     ``data_parallel``  average gradients, broadcast weights, check consistency (01, 05)
     ``partition``      one seeded shuffle, equal shards (02)
@@ -11,7 +13,10 @@ The top level is what the lessons teach, one idea per module, in lesson order:
     ``loop``           the training loop every lesson and benchmark runs (05)
     ``workloads/``     the source's two workloads: ``franke``, ``mnist`` + ``vae`` (05, 06)
     ``buckets``        flattened, overlapped gradient allreduce, as DDP does (07)
-    ``beyond_sgd/``    weight averaging, synchronised BatchNorm, Hogwild (08)
+    ``step_model``     a model of one overlapped step, and the bucket cap it picks (07)
+    ``beyond_sgd/``    weight averaging, synchronised BatchNorm, Hogwild, compressed
+                       gradients: ``weight_averaging``, ``syncbn``, ``hogwild``,
+                       ``compression`` (08)
     ``multinode``      hostfiles and launchers for several nodes (09)
     ``sharding``       ZeRO-1, ZeRO-2 and FSDP on reduce-scatter and all-gather (10)
 
@@ -25,8 +30,10 @@ Tooling lives behind the lessons' modules, in subpackages:
     ``bench/``     the communication, scaling, per-step and sharding benchmarks
     ``checks/``    the setup check (lesson 00) and the GPU check
     ``grading/``   exercises generated from solutions, and the grader
-    ``workshop/``  the instructor's kit: lesson timings, the generated tables of
-                   INSTRUCTORS.md and the index, resetting a learner's notebook
+    ``workshop/``  the instructor's kit: the lesson registry (``course``), lesson
+                   timings, the generated tables of README.md, INSTRUCTORS.md and the
+                   index, resetting a learner's notebook
+    ``book/``      the course as a static website (``make book``)
     ``utils/``     atomic results files, showing source in a notebook, progress bars
 
 Importing ``pcourse`` is cheap and never touches MPI or CUDA.

@@ -50,12 +50,28 @@ def test_index_links_every_lesson_and_exercise_and_nothing_broken():
 
 
 def test_every_lesson_has_a_summary_and_every_exercise_a_lesson():
-    summaries = course.readme_summaries(REPO)
+    registry = course.load(REPO)
+    summaries = {x.number: x.teaches for x in registry.lessons if x.teaches}
     lessons = {e.number for e in course.entries("notebooks", REPO)}
-    assert lessons <= set(summaries), f"README's course table lacks {lessons - set(summaries)}"
+    assert lessons <= set(summaries), f"course.toml says nothing of {lessons - set(summaries)}"
     exercises = {e.name for e in course.entries("exercises", REPO)}
-    assert exercises == set(course.EXERCISE_AFTER), "course.EXERCISE_AFTER is out of date"
-    assert set(course.EXERCISE_AFTER.values()) <= lessons
+    after = {x.name: x.after for x in registry.exercises}
+    assert exercises == set(after), "course.toml's exercises are out of date"
+    assert set(after.values()) <= lessons
+
+
+def test_readmes_table_is_the_registrys():
+    """README's course table is generated: every lesson, in order, with its line."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.partition(render.begin("course-table"))[2].partition(
+        render.end("course-table"))[0]
+    rows = [r for r in block.splitlines() if r.startswith("| [")]
+    registry = course.load(REPO)
+    assert len(rows) == len(registry.lessons)
+    for row, lesson in zip(rows, registry.lessons, strict=True):
+        assert f"]({lesson.path.as_posix()})" in row and f"| {lesson.teaches} |" in row
+        for x in registry.practising(lesson.number):
+            assert f"]({x.path.as_posix()})" in row
 
 
 def test_replace_block_needs_exactly_one_pair_of_markers():
@@ -140,7 +156,9 @@ def _course(tmp: Path) -> Path:
     nbformat.write(lesson, tmp / "notebooks" / "00_tiny.ipynb")
     nbformat.write(broken, tmp / "solutions" / "01_broken.ipynb")
     nbformat.write(broken, tmp / "exercises" / "01_broken.ipynb")
-    (tmp / "README.md").write_text("| notebook | what |\n|---|---|\n| 00 tiny | a tiny lesson |\n")
+    (tmp / course.REGISTRY).write_text(
+        '[[lesson]]\nnotebook = "notebooks/00_tiny.ipynb"\nteaches = "a tiny lesson"\n'
+        'modules = []\n\n[[exercise]]\nnotebook = "exercises/01_broken.ipynb"\nafter = "00"\n')
     for rel, names in render.TARGETS.items():
         blocks = "\n\n".join(f"{render.begin(n)}\n{render.end(n)}" for n in names)
         if rel.endswith(".ipynb"):

@@ -79,10 +79,10 @@ def two_commands(readme: str) -> str:
     return f"```{m.group(1)}\n{m.group(2)}\n```"
 
 
-def run_note(entry: course.Entry, commands: str) -> str:
-    """The box under a lesson's or an exercise's title: how to run it yourself."""
+def run_note(entry: course.Entry, commands: str, after: str | None = None) -> str:
+    """The box under a lesson's or an exercise's title: how to run it yourself; ``after``:
+    the lesson an exercise practises (the registry's, :meth:`course.Course.after`)."""
     if entry.folder == "exercises":
-        after = course.EXERCISE_AFTER.get(entry.name)
         what = (f"It practises lesson {after}. " if after else "") + (
             f"`make lab` opens the course's index in JupyterLab; open "
             f"`{entry.path.as_posix()}` from it and do as said above.")
@@ -176,6 +176,7 @@ def stage(root: Path, src: Path) -> list[Page]:
     src.mkdir(parents=True)
     readme = (root / "README.md").read_text(encoding="utf-8")
     commands = two_commands(readme)
+    registry = course.load(root)  # the site's order is the registry's
     lessons = course.entries("notebooks", root)
     exercises = course.entries("exercises", root)
     notebooks = [e.path.as_posix() for e in lessons + exercises]
@@ -187,7 +188,8 @@ def stage(root: Path, src: Path) -> list[Page]:
         if kind == "exercise":
             _refuse_solutions(nb, root / "solutions" / entry.path.name, entry.path)
         title_at = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown")
-        nb.cells.insert(title_at + 1, nbformat.v4.new_markdown_cell(run_note(entry, commands)))
+        note = run_note(entry, commands, registry.after(entry.name))
+        nb.cells.insert(title_at + 1, nbformat.v4.new_markdown_cell(note))
         _write_notebook(nb, src / entry.path, files)
         pages.append(Page(entry.path.with_suffix("").as_posix(), kind, entry.path.as_posix(),
                           f"{entry.number} · {entry.title}"))

@@ -1,11 +1,12 @@
 """The instructor's kit: tools for running the course as a workshop.
 
-- :mod:`~pcourse.workshop.course`: the lessons and exercises in order, with their titles.
+- :mod:`~pcourse.workshop.course`: the lesson registry (``course.toml``): the lessons and
+  exercises in order, what each teaches, and the course-wide facts.
 - :mod:`~pcourse.workshop.timings`: execute every notebook and record how long it runs
   (quick and full mode); ``--render`` regenerates the tables without running anything.
-- :mod:`~pcourse.workshop.render`: the generated blocks of ``index.ipynb`` and
-  ``INSTRUCTORS.md`` (timing tables, workshop plans, and the table of every NOT READY
-  verdict the setup check can print, with the fix).
+- :mod:`~pcourse.workshop.render`: the generated blocks of ``README.md``, ``index.ipynb``
+  and ``INSTRUCTORS.md`` (the course's table, timing tables, workshop plans, and the
+  table of every NOT READY verdict the setup check can print, with the fix).
 - :mod:`~pcourse.workshop.reset`: restore a learner's lesson or exercise to its shipped
   state, keeping a backup of what it replaces.
 

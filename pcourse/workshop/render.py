@@ -1,4 +1,5 @@
-"""The generated blocks of ``index.ipynb`` and ``INSTRUCTORS.md``: timing tables from the
+"""The generated blocks of ``README.md``, ``index.ipynb`` and ``INSTRUCTORS.md``: the course's
+table from the lesson registry (:mod:`pcourse.workshop.course`), timing tables from the
 measured lesson times, and the setup check's troubleshooting table.
 
 Each table sits between two markers in its file::
@@ -7,9 +8,10 @@ Each table sits between two markers in its file::
     ...
     <!-- END generated: NAME -->
 
-and is rewritten in place from ``docs/lesson_timings.json``, so no duration is ever
-typed by hand, and the index, the guide and the measurements cannot drift apart
-(``tests/test_workshop.py`` checks that they agree).
+and is rewritten in place from ``course.toml`` and ``docs/lesson_timings.json``, so no
+lesson list and no duration is ever typed by hand, and the README, the index, the guide,
+the registry and the measurements cannot drift apart (``tests/test_workshop.py`` checks
+that they agree).
 
 A workshop plan adds to each lesson's measured run time the time to read and explain
 it (its narrative's words at :data:`READING_WPM`) and, for an exercise, the time to
@@ -29,14 +31,15 @@ from pathlib import Path
 import nbformat
 
 from pcourse.utils.io import atomic_write
-from pcourse.workshop.course import EXERCISE_AFTER, Entry, entries, readme_summaries
+from pcourse.workshop import course
+from pcourse.workshop.course import Entry, entries
 
 READING_WPM = 100  # words per minute, read and explained aloud in a room
 EXERCISE_MINUTES = 20  # to write the code of one exercise, on top of reading and running it
 SESSION_MINUTES = 90  # one teaching block between breaks
 BREAK_MINUTES = 15
 PLANS = {"half day": 2, "full day": 4}  # sessions of SESSION_MINUTES
-TARGETS = {"index.ipynb": ("course-index",),
+TARGETS = {"README.md": ("course-table",), "index.ipynb": ("course-index",),
            "INSTRUCTORS.md": ("lesson-needs", "workshop-plans", "troubleshooting")}
 ESTIMATE = "estimated-time"  # the block in each notebook's first cell
 _GPU_WORDS = re.compile(r"nccl|cuda|gpu", re.I)
@@ -179,21 +182,32 @@ def _link(e: Entry) -> str:
     return f"[{e.number} · {e.title}]({e.path.as_posix()})"
 
 
+def course_table(data: dict, root: Path) -> str:
+    """README's table: the lessons in order, what each teaches, the exercises after it."""
+    registry = course.load(root)
+    exercises = {x.name: x for x in entries("exercises", root)}
+    lines = ["| lesson | what you learn | then the exercise |", "|---|---|---|"]
+    for e, lesson in zip(entries("notebooks", root), registry.lessons, strict=True):
+        after = ", ".join(_link(exercises[x.name]) for x in registry.practising(lesson.number))
+        lines.append(f"| {_link(e)} | {lesson.teaches} | {after or '—'} |")
+    return "\n".join(lines)
+
+
 def course_index(data: dict, root: Path) -> str:
     """The learner's table of lessons and exercises, with how long each runs."""
-    summary = readme_summaries(root)
+    registry = course.load(root)
     lines = ["| lesson | what you learn | runs in (quick mode) | full mode |",
              "|---|---|---|---|"]
-    for e in entries("notebooks", root):
+    for e, lesson in zip(entries("notebooks", root), registry.lessons, strict=True):
         full = _has_full(root, e.path)
-        lines.append(f"| {_link(e)} | {summary.get(e.number, e.title)} | "
+        lines.append(f"| {_link(e)} | {lesson.teaches} | "
                      f"{_cell(data, 'quick', e.path, full)} | "
                      f"{_cell(data, 'full', e.path, full)} |")
     lines += ["", "| exercise | after lesson | runs in, once solved | solution |",
               "|---|---|---|---|"]
     for e in entries("exercises", root):
         solution = Path("solutions") / e.path.name
-        lines.append(f"| {_link(e)} | {EXERCISE_AFTER.get(e.name, '?')} | "
+        lines.append(f"| {_link(e)} | {registry.after(e.name)} | "
                      f"{_cell(data, 'quick', solution, False)} | "
                      f"[{e.name}]({solution.as_posix()}) |")
     lines += ["", f"Run times: {_machine(data, 'quick')}; {_machine(data, 'full')}."]
@@ -236,13 +250,14 @@ class _Item:
 
 def _items(data: dict, root: Path) -> list[_Item]:
     """Lessons in order, each followed by the exercises that practise it."""
+    registry = course.load(root)
     exercises = entries("exercises", root)
     items = []
     for lesson in entries("notebooks", root):
         run, words = _seconds(data, "quick", lesson.path), _words(root, lesson.path)
         items.append(_Item("lesson", lesson, run,
                            math.ceil(words / READING_WPM + (run or 0) / 60), words))
-        for ex in (x for x in exercises if EXERCISE_AFTER.get(x.name) == lesson.number):
+        for ex in (x for x in exercises if registry.after(x.name) == lesson.number):
             run, words = (_seconds(data, "quick", Path("solutions") / ex.path.name),
                           _words(root, ex.path))
             talk = words / READING_WPM + EXERCISE_MINUTES
@@ -332,7 +347,7 @@ def troubleshooting(data: dict | None = None, root: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-BLOCKS = {"course-index": course_index, "lesson-needs": lesson_needs,
+BLOCKS = {"course-table": course_table, "course-index": course_index, "lesson-needs": lesson_needs,
           "workshop-plans": workshop_plans, "troubleshooting": troubleshooting}
 
 

@@ -1,0 +1,261 @@
+"""The lesson registry (``course.toml``, :mod:`pcourse.workshop.course`) and what must agree
+with it: the folders, the package's docstring, the lessons' "Next:" lines, which lesson
+is the last, and the course-wide facts README.md and INSTRUCTORS.md state.
+
+The generated tables (README's, the index's, INSTRUCTORS.md's) are checked by
+``tests/test_workshop.py``; the website's order by ``tests/test_book.py``. Nothing here
+runs a notebook: the lessons are read as files.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_markdown_cell, new_notebook
+from test_packaging import TAUGHT
+
+import pcourse
+from pcourse.workshop import course
+
+REPO = Path(__file__).resolve().parents[1]
+COURSE = course.load(REPO)
+LESSONS = {x.number: x for x in COURSE.lessons}
+# "This is the last lesson", "the final lesson", "the course ends here": a lesson's own
+# claim to be the last, which only the registry's last lesson may make.
+CLAIMS_LAST = re.compile(r"\b(?:this is|is) the (?:last|final) lesson\b|"
+                         r"\bthe course ends here\b", re.I)
+# "Next: **09 · Several nodes** — ..." or "**Next: 02 · Partitioning data.**"
+NEXT = re.compile(r"Next:\s*\**\s*(\d\d) · (.+?)\.?\*\*")
+NUMBER_WORDS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight",
+                "nine", "ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen")
+
+
+def _markdown(path: Path) -> str:
+    nb = nbformat.read(REPO / path, as_version=4)
+    return "\n\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+
+
+def _code(path: Path) -> str:
+    nb = nbformat.read(REPO / path, as_version=4)
+    return "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+
+
+# ---------------------------------------------------------------- the registry itself
+
+def _tiny_course(tmp: Path) -> Path:
+    """A course of two lessons and one exercise, registered."""
+    for rel in ("notebooks/00_a.ipynb", "notebooks/01_b.ipynb", "exercises/01_x.ipynb",
+                "solutions/01_x.ipynb"):
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(new_notebook(cells=[new_markdown_cell(f"# {Path(rel).name[:2]} · T")]),
+                       tmp / rel)
+    (tmp / course.REGISTRY).write_text(
+        '[[lesson]]\nnotebook = "notebooks/00_a.ipynb"\nteaches = "a"\nmodules = []\n\n'
+        '[[lesson]]\nnotebook = "notebooks/01_b.ipynb"\nteaches = "b"\nmodules = ["loop"]\n\n'
+        '[[exercise]]\nnotebook = "exercises/01_x.ipynb"\nafter = "01"\n')
+    return tmp
+
+
+def test_the_registry_lists_the_courses_notebooks_in_order():
+    assert [x.number for x in COURSE.lessons] == sorted(x.number for x in COURSE.lessons)
+    for folder in course.FOLDERS:
+        on_disk = sorted(p.relative_to(REPO) for p in (REPO / folder).glob("[0-9][0-9]_*.ipynb"))
+        assert sorted(e.path for e in course.entries(folder, REPO)) == on_disk, folder
+    assert all(x.teaches for x in COURSE.lessons)
+    assert {x.after for x in COURSE.exercises} <= set(LESSONS)
+
+
+def test_a_tiny_registered_course_loads(tmp_path):
+    tiny = course.load(_tiny_course(tmp_path))
+    assert [x.number for x in tiny.lessons] == ["00", "01"] and tiny.last.number == "01"
+    assert tiny.next(tiny.lessons[0]) == tiny.last and tiny.next(tiny.last) is None
+    assert tiny.after("01_x") == "01" and [x.name for x in tiny.practising("01")] == ["01_x"]
+    assert [e.title for e in course.entries("solutions", tmp_path)] == ["T"]
+
+
+@pytest.mark.parametrize("drift, says", [
+    # a lesson's notebook added without its entry: the tools would silently leave it out
+    (lambda t: shutil.copy(t / "notebooks/01_b.ipynb", t / "notebooks/02_c.ipynb"),
+     r"notebooks/ holds \['02_c.ipynb'\], which course.toml does not list"),
+    (lambda t: (t / "notebooks/01_b.ipynb").unlink(),
+     r"lists \['01_b.ipynb'\], which notebooks/ does not hold"),
+    (lambda t: (t / "solutions/01_x.ipynb").unlink(),
+     r"lists \['01_x.ipynb'\], which solutions/ does not hold"),
+    (lambda t: _edit(t, 'after = "01"', 'after = "07"'), r"after lesson '07', which is not"),
+    (lambda t: _edit(t, 'after = "01"', "after = 1"), r"after = 1; the number of the lesson"),
+    (lambda t: _edit(t, '"notebooks/00_a.ipynb"', '"notebooks/02_a.ipynb"'),
+     "lesson 01 comes after lesson 02"),
+    (lambda t: _edit(t, 'teaches = "a"', 'teach = "a"'), r"missing \['teaches'\] unknown"),
+    (lambda t: _edit(t, 'teaches = "b"', 'teaches = "b | c"'), "without '|'"),
+    (lambda t: _edit(t, '"exercises/01_x.ipynb"', '"solutions/01_x.ipynb"'),
+     "each exercise's is 'exercises/NN_name.ipynb'"),
+    (lambda t: _edit(t, "[[exercise]]", "[[exercises]]"), r"unknown tables \['exercises'\]"),
+    (lambda t: _edit(t, "modules = []", "modules = ["), "not valid TOML"),
+    (lambda t: (t / course.REGISTRY).unlink(), "has no course.toml"),
+], ids=["unregistered", "missing", "no-solution", "after-nothing", "after-int", "order",
+        "typo", "pipe", "folder", "table", "toml", "no-file"])
+def test_a_registry_that_disagrees_with_the_folders_is_refused(tmp_path, drift, says):
+    drift(_tiny_course(tmp_path))
+    with pytest.raises(course.RegistryError, match=says):
+        course.load(tmp_path)
+
+
+def _edit(tmp: Path, old: str, new: str) -> None:
+    path = tmp / course.REGISTRY
+    assert old in path.read_text()
+    path.write_text(path.read_text().replace(old, new, 1))
+
+
+# ---------------------------------------------------------------- the package's docstring
+
+def _taught() -> set[str]:
+    """The taught top-level names: modules, and the taught subpackages (as
+    tests/test_packaging.py defines them)."""
+    names = set()
+    for pattern in TAUGHT:
+        parts = Path(pattern).parts
+        if len(parts) == 2:  # pcourse/*.py
+            names |= {p.stem for p in REPO.glob(pattern) if p.stem != "__init__"}
+        else:
+            names.add(parts[1])
+    return names
+
+
+def docstring_table(doc: str) -> dict[str, tuple[set[str], str]]:
+    """pcourse's docstring lesson table: name -> (the lesson numbers it gives, its text).
+
+    An entry is a line indented four spaces that starts with ````name```` (or
+    ````name/````), with its deeper-indented continuation lines; its lessons are the
+    last ``(NN, NN)`` of the entry."""
+    table: dict[str, tuple[set[str], str]] = {}
+    name = None
+    for line in doc.partition("The top level is")[2].partition("Under both")[0].splitlines():
+        m = re.match(r"^    ``(\w+)/?``\s+(.*)$", line)
+        if m:
+            name = m.group(1)
+            table[name] = (set(), m.group(2))
+        elif name and line.startswith("        "):
+            table[name] = (set(), table[name][1] + " " + line.strip())
+    for name, (_, text) in table.items():
+        groups = re.findall(r"\((\d\d(?:, \d\d)*)\)", text)
+        table[name] = (set(groups[-1].split(", ")) if groups else set(), text)
+    return table
+
+
+def test_the_package_docstring_lists_every_taught_module_with_the_lessons_that_teach_it():
+    table = docstring_table(pcourse.__doc__)
+    taught = _taught()
+    assert set(table) == taught, (
+        f"pcourse/__init__.py's lesson table lacks {sorted(taught - set(table))} and lists "
+        f"{sorted(set(table) - taught)}, which are not taught modules")
+    for name, (lessons, _) in table.items():
+        registered = {x.number for x in COURSE.lessons if name in x.modules}
+        assert lessons == registered, (
+            f"pcourse's docstring says {name} is taught in {sorted(lessons)}; course.toml's "
+            f"lessons list it in {sorted(registered)}")
+
+
+def test_each_lesson_teaches_modules_that_exist_and_uses_them():
+    taught = _taught()
+    for lesson in COURSE.lessons:
+        code = _code(lesson.path)
+        imported = set(re.findall(r"\bpcourse\.(\w+)", code)) | {
+            n.strip() for m in re.finditer(r"from pcourse import (?:\(([^)]*)\)|([\w, ]+))", code)
+            for n in (m.group(1) or m.group(2)).split(",")}
+        for name in lesson.modules:
+            assert name in taught, f"{lesson.name} registers {name!r}, not a taught module"
+            importlib.import_module(f"pcourse.{name}")
+            assert name in imported, f"{lesson.name} registers {name!r} but never imports it"
+
+
+def test_each_taught_subpackage_names_every_module_it_holds():
+    table = docstring_table(pcourse.__doc__)
+    for name in _taught():
+        folder = REPO / "pcourse" / name
+        if not folder.is_dir():
+            continue
+        said = table[name][1] + " " + (importlib.import_module(f"pcourse.{name}").__doc__ or "")
+        for module in sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__"):
+            assert re.search(rf"\b{module}\b", said), (
+                f"pcourse.{name}.{module} is named neither in pcourse/{name}/__init__.py's "
+                "docstring nor in pcourse's lesson table")
+
+
+def test_the_docstring_table_is_read_as_written():
+    doc = ("The top level is:\n\n    ``a``   one (01)\n    ``b/``  two, and\n"
+           "            more (03, 10)\n    ``c``   none\n\nUnder both")
+    assert docstring_table(doc) == {"a": ({"01"}, "one (01)"),
+                                    "b": ({"03", "10"}, "two, and more (03, 10)"),
+                                    "c": (set(), "none")}
+
+
+# ---------------------------------------------------------------- which lesson is last
+
+@pytest.mark.parametrize("lesson", COURSE.lessons, ids=lambda x: x.number)
+def test_a_lesson_points_to_the_next_and_only_the_last_says_it_is_last(lesson):
+    text = _markdown(lesson.path)
+    following = COURSE.next(lesson)
+    pointers = [(m.group(1), m.group(2).strip()) for m in NEXT.finditer(text)]
+    if following is None:
+        assert not pointers, f"{lesson.name}, the registry's last lesson, points to {pointers}"
+        return
+    claim = CLAIMS_LAST.search(text)
+    assert not claim, (f"{lesson.name} says {claim.group(0)!r}, but the registry's last "
+                       f"lesson is {COURSE.last.name}")
+    wanted = (following.number, course.title(REPO / following.path))
+    assert pointers == [wanted], (
+        f"{lesson.name} should end with 'Next: **{wanted[0]} · {wanted[1]}**' (the "
+        f"registry's next lesson); it has {pointers or 'none'}")
+
+
+def test_the_pointer_and_claim_patterns_catch_what_they_are_for():
+    assert CLAIMS_LAST.search("Summary.\n\nThis is the last lesson. The exercises ...")
+    assert not CLAIMS_LAST.search("the last section of this lesson measures both")
+    found = [NEXT.search(t).groups() for t in (
+        "Next: **01 · Parallel SGD**.", "**Next: 02 · Partitioning data.**",
+        "**Next: 10 · Sharding: ZeRO-1, ZeRO-2 and FSDP** — what ...")]
+    assert found == [("01", "Parallel SGD"), ("02", "Partitioning data"),
+                     ("10", "Sharding: ZeRO-1, ZeRO-2 and FSDP")]
+
+
+# ---------------------------------------------------------------- course-wide facts
+
+def test_readme_and_the_guide_say_what_quick_mode_trains_on():
+    n = course.quick_mnist_images()
+    saved = re.search(r"training: (\d+) images of the test split",
+                      "".join(o.get("text", "") for c in nbformat.read(
+                          REPO / LESSONS["06"].path, as_version=4).cells
+                          for o in c.get("outputs", [])))
+    assert saved and int(saved.group(1)) == n, (
+        f"lesson 06's saved run trained on {saved and saved.group(1)} images; "
+        f"course.quick_mnist_images() says {n}")
+    readme = (REPO / "README.md").read_text()
+    bullet = readme.partition("**Quick mode's MNIST.**")[2].partition("\n- ")[0]
+    assert f"on the {n:,} test images" in " ".join(bullet.split()), \
+        f"README's 'Quick mode's MNIST' does not say 'on the {n:,} test images'"
+    guide = " ".join((REPO / "INSTRUCTORS.md").read_text().split())
+    assert f"test split's last {n:,} images" in guide
+
+
+def test_readme_and_the_guide_say_how_many_engines_the_grader_starts():
+    from pcourse.grading.harness import GRADER_SIZES
+
+    n = course.grader_engines()
+    assert n == max(GRADER_SIZES), "the grader's clusters must hold its largest check"
+    readme = " ".join((REPO / "README.md").read_text().split())
+    guide = " ".join((REPO / "INSTRUCTORS.md").read_text().split())
+    assert f"one cluster of {n} MPI engines" in readme
+    assert f"under the grader at {max(GRADER_SIZES)} as well" in readme
+    assert f"its own kernel and {n} engines" in guide
+
+
+def test_readme_counts_the_exercises():
+    readme = (REPO / "README.md").read_text()
+    n = len(COURSE.exercises)
+    assert f"\n{NUMBER_WORDS[n].capitalize()} exercises (`exercises/`" in readme, \
+        f"README's Grading section should open with '{NUMBER_WORDS[n].capitalize()} exercises'"
