@@ -99,6 +99,11 @@ def test_the_build_refuses_an_exercise_that_holds_its_solution(tmp_path):
     for name in ("README.md", "INSTRUCTORS.md", "index.ipynb"):
         (root / name).write_bytes((REPO / name).read_bytes())
     name = EXERCISES[0]
+    lesson = course.load(REPO).lesson(course.load(REPO).after(name)).path  # it practises
+    (root / lesson).write_bytes((REPO / lesson).read_bytes())
+    (root / course.REGISTRY).write_text(
+        f'[[lesson]]\nnotebook = "{lesson.as_posix()}"\nteaches = "t"\nmodules = []\n\n'
+        f'[[exercise]]\nnotebook = "exercises/{name}.ipynb"\nafter = "{lesson.name[:2]}"\n')
     solution = (REPO / "solutions" / f"{name}.ipynb").read_bytes()
     (root / "solutions" / f"{name}.ipynb").write_bytes(solution)
     (root / "exercises" / f"{name}.ipynb").write_bytes(solution)  # a stale exercise
@@ -107,7 +112,21 @@ def test_the_build_refuses_an_exercise_that_holds_its_solution(tmp_path):
     (root / "exercises" / f"{name}.ipynb").write_bytes(
         (REPO / "exercises" / f"{name}.ipynb").read_bytes())
     pages = book_build.stage(root, tmp_path / "src")
-    assert [p.kind for p in pages] == ["index", "exercise", "about", "about"]
+    assert [p.kind for p in pages] == ["index", "lesson", "exercise", "about", "about"]
+
+
+def test_the_site_follows_the_registry(tmp_path):
+    """The site's order is the registry's, and an exercise's page names the lesson it
+    practises (staged only: no Sphinx, no browser)."""
+    registry = course.load(REPO)
+    pages = book_build.stage(REPO, tmp_path / "src")
+    assert [p.source for p in pages if p.kind in ("lesson", "exercise")] == \
+        [x.path.as_posix() for x in registry.lessons + registry.exercises]
+    for x in registry.exercises:
+        staged = nbformat.read(tmp_path / "src" / x.path, as_version=4)
+        assert f"It practises lesson {x.after}." in staged.cells[1].source, x.name
+    toctree = nbformat.read(tmp_path / "src" / "index.ipynb", as_version=4).cells[-1].source
+    assert re.findall(r"^notebooks/(\d\d)_", toctree, re.M) == [x.number for x in registry.lessons]
 
 
 def test_a_plot_without_its_image_is_named():

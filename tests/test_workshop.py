@@ -28,8 +28,8 @@ def test_generated_tables_are_up_to_date():
             assert text.count(render.begin(name)) == 1, f"{rel}: no block {name!r}"
     stale = [str(p.relative_to(REPO)) for p, text in render.updated(timings.load(), REPO).items()
              if p.read_text() != text]
-    assert not stale, (f"{stale} differ from what the stored measurements give; run "
-                       "`python -m pcourse.workshop.timings --render`")
+    assert not stale, (f"{stale} differ from what course.toml and the stored measurements "
+                       "give; run `python -m pcourse.workshop.timings --render`")
 
 
 def test_every_lesson_and_solution_has_a_quick_mode_time():
