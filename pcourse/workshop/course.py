@@ -189,10 +189,10 @@ def _fields(path: Path, kind: str, i: int, raw: dict) -> str:
     where = f"{path}: {kind} entry {i}"
     missing, extra = _KEYS[kind] - set(raw), set(raw) - _KEYS[kind]
     if missing or extra:
-        raise RegistryError(f"{where}: {'missing ' + str(sorted(missing)) if missing else ''}"
-                            f"{' ' if missing and extra else ''}"
-                            f"{'unknown ' + str(sorted(extra)) if extra else ''}; "
-                            f"each {kind} entry has exactly {sorted(_KEYS[kind])}")
+        said = [f"{what} {sorted(keys)}" for what, keys in (("missing", missing),
+                                                              ("unknown", extra)) if keys]
+        raise RegistryError(f"{where}: {', '.join(said)}; each {kind} entry has exactly "
+                            f"{sorted(_KEYS[kind])}")
     notebook = raw["notebook"]
     folder = _FOLDER_OF[kind]
     if not isinstance(notebook, str) or Path(notebook).parent != Path(folder) \

@@ -10,11 +10,11 @@ bottom with nbclient, in quick mode, and records per notebook:
 
 ``--full`` does the same in full mode: the ``FULL = False`` cell a lesson starts with is
 switched to ``True`` before it runs. Results go to ``docs/lesson_timings.json`` (merged:
-``--only`` re-measures some notebooks and keeps the rest), and the tables in
-``index.ipynb`` and ``INSTRUCTORS.md`` are rewritten from it in place (``--render`` does
-only that). Run it on a quiet machine: anything else running inflates the times (the
-load average at the end of each notebook is stored, and the tables say when it was
-above the core count).
+``--only`` re-measures some notebooks and keeps the rest), and the generated blocks of
+``README.md``, ``index.ipynb`` and ``INSTRUCTORS.md`` are rewritten from it and from the
+lesson registry in place (``--render`` does only that). Run it on a quiet machine:
+anything else running inflates the times (the load average at the end of each notebook
+is stored, and the tables say when it was above the core count).
 """
 
 from __future__ import annotations
