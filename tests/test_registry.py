@@ -127,25 +127,39 @@ def _taught() -> set[str]:
     return names
 
 
-def docstring_table(doc: str) -> dict[str, tuple[set[str], str]]:
-    """pcourse's docstring lesson table: name -> (the lesson numbers it gives, its text).
+def module_table(text: str, entry: str, more: str) -> dict[str, tuple[set[str], str]]:
+    """A lesson table by module: name -> (the lesson numbers it gives, its text).
 
-    An entry is a line indented four spaces that starts with ````name```` (or
-    ````name/````), with its deeper-indented continuation lines; its lessons are the
-    last ``(NN, NN)`` of the entry."""
+    An entry is a line that matches ``entry`` (the module's name, then its text), with
+    the lines after it that start with ``more`` (deeper indentation); its lessons are
+    the entry's last ``(NN, NN)``."""
     table: dict[str, tuple[set[str], str]] = {}
     name = None
-    for line in doc.partition("The top level is")[2].partition("Under both")[0].splitlines():
-        m = re.match(r"^    ``(\w+)/?``\s+(.*)$", line)
+    for line in text.splitlines():
+        m = re.match(entry, line)
         if m:
             name = m.group(1)
             table[name] = (set(), m.group(2))
-        elif name and line.startswith("        "):
+        elif name and line.startswith(more):
             table[name] = (set(), table[name][1] + " " + line.strip())
-    for name, (_, text) in table.items():
-        groups = re.findall(r"\((\d\d(?:, \d\d)*)\)", text)
-        table[name] = (set(groups[-1].split(", ")) if groups else set(), text)
+        else:
+            name = None
+    for name, (_, said) in table.items():
+        groups = re.findall(r"\((\d\d(?:, \d\d)*)\)", said)
+        table[name] = (set(groups[-1].split(", ")) if groups else set(), said)
     return table
+
+
+def docstring_table(doc: str) -> dict[str, tuple[set[str], str]]:
+    """pcourse's docstring: entries indented four spaces, ````name```` or ````name/````."""
+    text = doc.partition("The top level is")[2].partition("Under both")[0]
+    return module_table(text, r"^    ``(\w+)/?``\s+(.*)$", " " * 8)
+
+
+def readme_layout(readme: str) -> dict[str, tuple[set[str], str]]:
+    """README's *Layout* block: entries indented two spaces, ``name.py`` or ``name/``."""
+    block = readme.partition("## Layout")[2].partition("```")[2].partition("```")[0]
+    return module_table(block, r"^  (\w+)(?:\.py|/)\s+(.*)$", " " * 4)
 
 
 def test_the_package_docstring_lists_every_taught_module_with_the_lessons_that_teach_it():
@@ -159,6 +173,17 @@ def test_the_package_docstring_lists_every_taught_module_with_the_lessons_that_t
         assert lessons == registered, (
             f"pcourse's docstring says {name} is taught in {sorted(lessons)}; course.toml's "
             f"lessons list it in {sorted(registered)}")
+
+
+def test_readmes_layout_gives_each_taught_module_the_registrys_lessons():
+    layout = readme_layout((REPO / "README.md").read_text())
+    numbered = {name for name, (lessons, _) in layout.items() if lessons}
+    assert numbered <= _taught(), f"README's Layout gives lessons to {numbered - _taught()}"
+    for name in sorted(_taught()):
+        registered = {x.number for x in COURSE.lessons if name in x.modules}
+        assert name in layout and layout[name][0] == registered, (
+            f"README's Layout should list {name} with lessons {sorted(registered)} "
+            f"(course.toml); it has {layout[name][0] if name in layout else 'no line'}")
 
 
 def test_each_lesson_teaches_modules_that_exist_and_uses_them():
@@ -187,12 +212,17 @@ def test_each_taught_subpackage_names_every_module_it_holds():
                 "docstring nor in pcourse's lesson table")
 
 
-def test_the_docstring_table_is_read_as_written():
+def test_the_module_tables_are_read_as_written():
     doc = ("The top level is:\n\n    ``a``   one (01)\n    ``b/``  two, and\n"
            "            more (03, 10)\n    ``c``   none\n\nUnder both")
     assert docstring_table(doc) == {"a": ({"01"}, "one (01)"),
                                     "b": ({"03", "10"}, "two, and more (03, 10)"),
                                     "c": (set(), "none")}
+    readme = ("## Layout\n\n```\npcourse/   what\n  a.py      one (01)\n  b/        two,\n"
+              "            more (03, 10)\n  x/ y/     tools\nnotebooks/ (04)\n```\n")
+    assert readme_layout(readme) == {"a": ({"01"}, "one (01)"),
+                                     "b": ({"03", "10"}, "two, more (03, 10)"),
+                                     "x": (set(), "y/     tools")}
 
 
 # ---------------------------------------------------------------- which lesson is last
