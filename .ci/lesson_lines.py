@@ -1,67 +1,60 @@
-"""Lines a learner reads per lesson idea: what each lesson shows with ``show_source``.
+"""Lines a learner reads per lesson: everything each lesson shows with ``show_source``.
 
     python .ci/lesson_lines.py
 
-Prints, per idea, the shown functions' lines: all, and code (neither blank, nor a
-comment, nor a docstring), beside the anchors the code review compared them with
-(issue 22). The figures go in closing notes; nothing here is compared by a test.
+Reads the notebooks without running them (:mod:`pcourse.workshop.shown`, the parser the
+test of the taught wing uses too) and prints, per lesson, the lines of every object it
+shows: all, and code (neither blank, nor a comment, nor a docstring), then the same per
+module it shows from, beside the anchors the code review compared them with (issue 22).
+A source shown twice in a lesson, or a method shown with its class, is counted once.
+``tests/test_wing.py`` checks the figures against the notebooks.
 """
 
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
-from typing import Any
+from pathlib import Path
 
-from pcourse import buckets, collectives, data_parallel
-from pcourse.backends import mpi, torch_dist
-from pcourse.runtime import agree, bootstrap
+from pcourse.workshop import shown
 
-# idea -> (the functions the lesson shows, the anchor the review compared with)
-IDEAS: dict[str, tuple[list[Any], str]] = {
-    "01 average gradients": (
-        [data_parallel.average_gradients, data_parallel._gradients, data_parallel._reduce,
-         data_parallel.check_same_model, agree.agree],
-        "picotron DataParallelNaive 51 / 22"),
-    "03 three allreduces (+ helpers)": (
-        [collectives.ring_allreduce, collectives.tree_allreduce, collectives._prepare,
-         collectives.recursive_doubling_allreduce],
-        "mpi4py reductions.py, reduce + allreduce: 36"),
-    "04 mpi-pickle backend": ([mpi.MPIPickleBackend.allreduce], "one comm.allreduce line"),
-    "04 Gloo bootstrap": ([bootstrap.rendezvous, bootstrap._pick_port],
-                          "CS336 _setup_process_group ~20"),
-    "04 Gloo backend": ([torch_dist._TorchBackend.__init__,
-                         torch_dist._TorchBackend.allreduce_async, torch_dist.GlooBackend],
-                        "-"),
-    "05 broadcast, consistency": ([data_parallel.broadcast_parameters,
-                                   data_parallel.check_consistency], "nanoGPT's loop ~80"),
-    "07 buckets": ([buckets.plan_buckets, buckets.Bucket, buckets._make_bucket,
-                    buckets.BucketedAllreduce.no_sync], "picotron bucket code 260 / 126"),
+# lesson -> the anchor the review compared it with (all / code lines)
+ANCHORS = {
+    "01": "picotron DataParallelNaive 51 / 22",
+    "03": "mpi4py reductions.py, reduce + allreduce: 36",
+    "04": "CS336 _setup_process_group ~20",
+    "05": "nanoGPT's loop 88 / 64",
+    "07": "picotron bucket code 269 / 130",
 }
 
 
-def count(objects: list[Any]) -> tuple[int, int]:
-    """(all lines, code lines) of the objects' source, as ``show_source`` shows it."""
-    source = "\n".join(textwrap.dedent(inspect.getsource(o)) for o in objects)
-    docstrings = set()
-    for node in ast.walk(ast.parse(source)):
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
-                and isinstance(getattr(body[0], "value", None), ast.Constant) \
-                and isinstance(body[0].value.value, str):
-            docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
-    lines = source.splitlines()
-    code = [i for i, line in enumerate(lines, 1)
-            if line.strip() and not line.strip().startswith("#") and i not in docstrings]
-    return len(lines), len(code)
+def count(objects: list) -> tuple[int, int]:
+    """(all lines, code lines) of the objects' sources, each source once."""
+    per_span = [shown.lines(span) for span in shown.spans(objects)]
+    return sum(a for a, _ in per_span), sum(c for _, c in per_span)
+
+
+def table(root: Path | None = None) -> list[dict]:
+    """One row per notebook that shows anything: its lesson, the names it shows, its
+    counts, and the counts per module shown from."""
+    rows = []
+    for notebook, items in shown.by_lesson(shown.shown(root)):
+        modules: dict[str, list] = {}
+        for s in items:
+            modules.setdefault(s.module, []).append(s.obj)
+        rows.append({"notebook": notebook, "lesson": notebook.name[:2],
+                     "names": {s.name for s in items},
+                     "lines": count([s.obj for s in items]),
+                     "modules": {m: count(objs) for m, objs in modules.items()}})
+    return rows
 
 
 def main() -> None:
-    print(f"{'idea':34} {'all':>4} / {'code':<4}  anchor")
-    for idea, (objects, anchor) in IDEAS.items():
-        everything, code = count(objects)
-        print(f"{idea:34} {everything:>4} / {code:<4}  {anchor}")
+    print(f"{'lesson':44} {'all':>4} / {'code':<4}  anchor")
+    for row in table():
+        everything, code = row["lines"]
+        name = f"{row['notebook'].parent.name}/{row['notebook'].stem}"
+        print(f"{name:44} {everything:>4} / {code:<4}  {ANCHORS.get(row['lesson'], '')}")
+        for module, (m_all, m_code) in row["modules"].items():
+            print(f"    {module:40} {m_all:>4} / {m_code:<4}  {shown.layer(module)}")
 
 
 if __name__ == "__main__":
