@@ -17,7 +17,6 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbformat.v4 import new_markdown_cell, new_notebook
-from test_packaging import TAUGHT
 
 import pcourse
 from pcourse.workshop import course
@@ -115,14 +114,16 @@ def _edit(tmp: Path, old: str, new: str) -> None:
 # ---------------------------------------------------------------- the package's docstring
 
 def _taught() -> set[str]:
-    """The taught top-level names: modules, and the taught subpackages (as
-    tests/test_packaging.py defines them)."""
+    """The taught top-level names: modules, and the taught subpackages (the wall as
+    pcourse.workshop.shown.layer draws it)."""
+    from pcourse.workshop.shown import layer
+
     names = set()
-    for pattern in TAUGHT:
-        parts = Path(pattern).parts
-        if len(parts) == 2:  # pcourse/*.py
-            names |= {p.stem for p in REPO.glob(pattern) if p.stem != "__init__"}
-        else:
+    for path in REPO.glob("pcourse/**/*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        if layer(".".join(p for p in parts if p != "__init__")) != "taught" or len(parts) < 2:
+            continue
+        if parts[1] != "__init__":
             names.add(parts[1])
     return names
 
