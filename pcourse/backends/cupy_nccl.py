@@ -33,7 +33,6 @@ from pcourse.backends.base import (
     Backend,
     BackendUnavailable,
     collective_timeout,
-    divides_first,
     private_comm,
 )
 from pcourse.runtime.bootstrap import socket_ifname
@@ -121,13 +120,13 @@ class CupyNCCLBackend(Backend):
         t = tensor.detach()
         buf = t if t.is_contiguous() else t.contiguous()
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        first = divides_first(buf, op)
-        if first:
-            buf.div_(self.size)  # same stream: runs before the reduction
+        before, after = self.avg_divisors(buf.dtype, op)  # avg: 16 bits divide first
+        if before > 1:
+            buf.div_(before)  # same stream: runs before the reduction
         self._live().allReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(),
                                self._dtype(buf.dtype), getattr(self._nccl, _OPS[op]), stream)
-        if op == "avg" and not first:
-            buf.div_(self.size)  # same stream: runs after the reduction
+        if after > 1:
+            buf.div_(after)  # same stream: runs after the reduction
         if buf.data_ptr() != tensor.data_ptr():
             tensor.detach().copy_(buf)
         return tensor
@@ -192,12 +191,15 @@ class CupyNCCLBackend(Backend):
         """NCCL's ``reduceScatter`` on device pointers, on torch's current stream."""
         self._agree_blocks("reduce_scatter", output, input, check, op)
         out, inp = output.detach(), input.detach()
+        before, after = self.avg_divisors(inp.dtype, op)
+        if before > 1:
+            inp = inp / before  # a copy (the input stays), on the same stream: before it
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self._live().reduceScatter(inp.data_ptr(), out.data_ptr(), out.numel(),
                                    self._dtype(inp.dtype), getattr(self._nccl, _OPS[op]),
                                    stream)
-        if op == "avg":
-            out.div_(self.size)  # same stream: after the reduction
+        if after > 1:
+            out.div_(after)  # same stream: after the reduction
         return output
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,

@@ -40,7 +40,6 @@ from pcourse.backends.base import (
     Pending,
     Work,
     collective_timeout,
-    divides_first,
     private_comm,
 )
 from pcourse.runtime import bootstrap
@@ -132,18 +131,15 @@ class _TorchBackend(AsyncBackend):
                         check: bool = True) -> Work:
         self._agree(tensor, check, op=op)
         group = self._live()
-        native_avg = op == "avg" and self.dist_backend == "nccl"
         buf = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
-        first = not native_avg and divides_first(buf, op)
-        if first:
-            buf.div_(self.size)
-        handle = self._dist.all_reduce(buf, op=self._reduce_op(op, native_avg), group=group,
-                                       async_op=True)
-        divide = self.size if op == "avg" and not native_avg and not first else 0
+        before, after = self.avg_divisors(buf.dtype, op)  # avg: 16 bits divide first
+        if before > 1:
+            buf.div_(before)
+        handle = self._dist.all_reduce(buf, op=self._reduce_op(op), group=group, async_op=True)
 
         def finish() -> None:
-            if divide:
-                buf.div_(divide)
+            if after > 1:
+                buf.div_(after)
             _copy_back(tensor, buf)
 
         return Pending(lambda: self._wait(handle, "allreduce"), finish, keep=(tensor, buf),
@@ -188,10 +184,10 @@ class _TorchBackend(AsyncBackend):
         self.group = None
         bootstrap.release()
 
-    def _reduce_op(self, op: str, native_avg: bool) -> Any:
+    def _reduce_op(self, op: str) -> Any:
         R = self._dist.ReduceOp
-        # Gloo has no AVG; NCCL has it for floating types: sum then divide elsewhere.
-        return {"sum": R.SUM, "avg": R.AVG if native_avg else R.SUM, "max": R.MAX,
+        # Gloo has no AVG: a sum, divided as avg_divisors says; NCCL has one (native_avg).
+        return {"sum": R.SUM, "avg": R.AVG if self.native_avg else R.SUM, "max": R.MAX,
                 "min": R.MIN, "prod": R.PRODUCT}[op]
 
     # ---------------------------------------------------- sharding (lesson 10)
@@ -200,16 +196,16 @@ class _TorchBackend(AsyncBackend):
         """torch.distributed's ``reduce_scatter_tensor``, waited for like allreduce."""
         self._agree_blocks("reduce_scatter", output, input, check, op)
         group = self._live()
-        native_avg = op == "avg" and self.dist_backend == "nccl"
+        before, after = self.avg_divisors(input.dtype, op)
+        send = input.detach() if before == 1 else input.detach() / before  # input unchanged
         # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single
         reduce_scatter = getattr(self._dist, "reduce_scatter_single", None) \
             or self._dist.reduce_scatter_tensor
-        handle = reduce_scatter(
-            output.detach(), input.detach(), op=self._reduce_op(op, native_avg), group=group,
-            async_op=True)
+        handle = reduce_scatter(output.detach(), send, op=self._reduce_op(op), group=group,
+                                async_op=True)
         self._wait(handle, "reduce_scatter")
-        if op == "avg" and not native_avg:
-            output.detach().div_(self.size)
+        if after > 1:
+            output.detach().div_(after)
         return output
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
@@ -244,6 +240,7 @@ class NCCLBackend(_TorchBackend):
     dist_backend = "nccl"
     ifname_var = "NCCL_SOCKET_IFNAME"
     needs_gpu = True
+    native_avg = True  # NCCL's own AVG (floating types; avg of integers is refused before)
 
     def __init__(self, comm: Any = None, *, device: str | torch.device | None = None,
                  timeout: float | None = None) -> None:
