@@ -2,10 +2,13 @@
 
 NCCL needs every rank to start from the same 128-byte "unique id". Rank 0 makes it
 with ``nccl.get_unique_id()``, MPI broadcasts it, and each process builds one
-``NcclCommunicator(size, uid, rank)`` for its own GPU. After that, MPI is no longer
-involved: ``allReduce`` runs on raw device pointers, enqueued on torch's current
-CUDA stream so that it is ordered after the kernels that produced the gradients
-and before those that use them, without any synchronisation of our own.
+``NcclCommunicator(size, uid, rank)`` for its own GPU. On a part of the job (``comm``
+a sub-communicator, one group of a :class:`pcourse.mesh.Mesh`) the same happens within
+the part: its rank 0 makes the id, and the part's communicator broadcasts it; each
+part has its own communicator. After that, MPI is no longer involved: ``allReduce``
+runs on raw device pointers, enqueued on torch's current CUDA stream so that it is
+ordered after the kernels that produced the gradients and before those that use
+them, without any synchronisation of our own.
 
 NCCL's kernels run on the stream while the CPU goes on, so the backend itself waits
 only for the agreement check's result, in ``barrier`` and in ``close``: interruptibly,
@@ -52,8 +55,10 @@ DTYPES = {
 _OPS = {"sum": "NCCL_SUM", "avg": "NCCL_SUM", "max": "NCCL_MAX", "min": "NCCL_MIN",
         "prod": "NCCL_PROD"}
 
-# One NCCL communicator per process: a re-created backend destroys the old one.
-_current: CupyNCCLBackend | None = None
+# One NCCL communicator per process and set of ranks (their COMM_WORLD ranks): a
+# re-created backend on the same ranks (a re-run cell) destroys the old one; backends
+# on other parts of the job (a Mesh's groups) live beside it.
+_current: dict[tuple[int, ...], CupyNCCLBackend] = {}
 
 
 class CupyNCCLBackend(Backend):
@@ -64,7 +69,8 @@ class CupyNCCLBackend(Backend):
 
     def __init__(self, comm: Any = None, *, device: str | torch.device | None = None,
                  timeout: float | None = None) -> None:
-        global _current
+        from mpi4py import MPI
+
         from pcourse.backends import unavailable_reason
 
         reason = unavailable_reason("nccl-cupy")  # local checks: fails fast, alone
@@ -80,8 +86,9 @@ class CupyNCCLBackend(Backend):
             self.rank, self.size = mpi.Get_rank(), mpi.Get_size()
             self.device = pick_gpu(self.name, device, mpi)
             cupy.cuda.Device(self.device.index).use()
-            if _current is not None:
-                _current.close()
+            self._ranks = tuple(mpi.allgather(MPI.COMM_WORLD.Get_rank()))
+            if self._ranks in _current:
+                _current[self._ranks].close()
             one_host = len(set(mpi.allgather(socket.gethostname()))) == 1
             with socket_ifname("NCCL_SOCKET_IFNAME", one_host):  # NCCL's bootstrap listener
                 uid = nccl.get_unique_id() if self.rank == 0 else None
@@ -89,7 +96,7 @@ class CupyNCCLBackend(Backend):
                 self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
         finally:
             mpi.Free()
-        _current = self
+        _current[self._ranks] = self
 
     def _live(self) -> Any:
         if self._comm is None:
@@ -165,7 +172,6 @@ class CupyNCCLBackend(Backend):
         A rank whose wait ends early (a peer died, an interrupt) aborts the communicator
         instead: its kernels would wait forever for the peer, and destroy with them.
         """
-        global _current
         comm, interrupted = getattr(self, "_comm", None), None
         if comm is not None and not self._gave_up:
             try:
@@ -180,8 +186,8 @@ class CupyNCCLBackend(Backend):
         elif comm is not None:
             comm.destroy()
         self._comm = None
-        if _current is self:
-            _current = None
+        if _current.get(getattr(self, "_ranks", ())) is self:
+            del _current[self._ranks]
         if interrupted is not None:
             raise interrupted
 

@@ -69,29 +69,47 @@ class _TorchBackend(AsyncBackend):
             return
         if comm is None and launcher() != "mpi" and (dist.is_initialized()
                                                      or launcher() == "torchrun"):
-            self._from_torch(device)  # 2. torchrun, torch.multiprocessing
+            parts, mine = self._from_torch(device)  # 2. torchrun, torch.multiprocessing
         else:
-            self._from_mpi(comm, device)  # 3. the MPI bootstrap
+            parts, mine = self._from_mpi(comm, device)  # 3. the MPI bootstrap
         self.address = bootstrap.address()
         with bootstrap.binding(self.ifname_var):
-            self.group = dist.new_group(backend=self.dist_backend,
-                                        timeout=timedelta(seconds=self.timeout))
+            self.group = self._new_groups(parts, mine)
             bootstrap.joined()
             self._connect()
 
-    def _from_torch(self, device: str | torch.device | None) -> None:
+    def _from_torch(self, device: str | torch.device | None) -> tuple[list[list[int]], int]:
         bootstrap.from_env(self.timeout)
         self.rank, self.size = self._dist.get_rank(), self._dist.get_world_size()
         self.device = self._pick_device(device, None)
+        return [list(range(self.size))], 0  # one group: every rank of the default group
 
-    def _from_mpi(self, comm: Any, device: str | torch.device | None) -> None:
+    def _from_mpi(self, comm: Any, device: str | torch.device | None
+                  ) -> tuple[list[list[int]], int]:
         mpi = private_comm(comm, self.name)
         try:
             self.rank, self.size = mpi.Get_rank(), mpi.Get_size()
             self.device = self._pick_device(device, mpi)
-            bootstrap.ensure_default_group(mpi, self.ifname_var, self.timeout)
+            return bootstrap.groups_for(mpi, self.ifname_var, self.timeout)
         finally:
             mpi.Free()
+
+    def _new_groups(self, parts: list[list[int]], mine: int) -> Any:
+        """Every part's group, made in order on every rank (bootstrap's rule); this rank's.
+
+        A part lists default-group ranks in the order of its communicator's ranks, so
+        that this backend's rank is its rank in ``comm``, as for the MPI backends."""
+        import inspect
+
+        dist, timeout = self._dist, timedelta(seconds=self.timeout)
+        keeps_order = "sort_ranks" in inspect.signature(dist.new_group).parameters
+        if not keeps_order and parts[mine] != sorted(parts[mine]):
+            raise ValueError("this torch numbers a group's ranks in the job's order: make the "
+                             "communicator with Split(color, key=rank) so its order is the same")
+        groups = [dist.new_group(ranks=part, backend=self.dist_backend, timeout=timeout,
+                                 **({"sort_ranks": False} if keeps_order else {}))
+                  for part in parts]
+        return groups[mine]
 
     def _pick_device(self, device: str | torch.device | None, mpi: Any) -> torch.device:
         if device is not None and torch.device(device).type != "cpu":
