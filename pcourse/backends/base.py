@@ -12,8 +12,12 @@ Callers that already know the ranks agree, such as a bucket layout checked once,
 pass ``check=False``.
 
 Every backend is built with the same keywords: ``comm`` (what the ranks talk over;
-default: the whole job), ``device`` (default: this rank's own) and ``timeout``
-(seconds a collective may wait for the other ranks; default :func:`collective_timeout`).
+default: the whole job; or any part of it, several parts at once: :mod:`pcourse.mesh`),
+``device`` (default: this rank's own) and ``timeout`` (seconds a collective may wait
+for the other ranks; default :func:`collective_timeout`).
+
+``avg`` is one rule for every backend, :meth:`Backend.avg_divisors`: 16-bit data is
+divided before it is summed, wider data after.
 
 Nothing waits forever, and nothing waits deaf: a rank that waits for its peers does
 so where an interrupt (JupyterLab's stop button, Ctrl-C) stops it at once, and after

@@ -13,8 +13,13 @@ from, the first of these that applies:
 
 In cases 2 and 3 each backend object gets its *own* group on top of torch's default
 group, so a re-run notebook cell simply makes another, and gloo, nccl and an older
-gloo object can all live at once. Pass ``backend.group`` to code that takes a process
-group (DDP's ``process_group=``).
+gloo object can all live at once. In case 3 ``comm`` may be any part of the job (a
+``Split`` sub-communicator, a :class:`pcourse.mesh.Mesh` dimension): the group is
+``new_group`` over its members, numbered as ``comm`` numbers them, and backends of
+different membership live side by side. Making one is collective over every rank of
+the default group, each passing its own part (the rule, and why, is in
+:mod:`pcourse.runtime.bootstrap`). Pass ``backend.group`` to code that takes a
+process group (DDP's ``process_group=``).
 
 Every collective has a deadline: ``timeout`` (default:
 :func:`pcourse.backends.base.collective_timeout`) is the process group's timeout,
