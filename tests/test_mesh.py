@@ -43,3 +43,34 @@ def test_a_one_rank_mesh_is_refused_before_any_communication_or_runs() -> None:
         assert torch.equal(x, torch.ones(3))
         with pytest.raises(KeyError, match="no dimension 'pp'; it has dp, tp"):
             mesh.coord("pp")
+
+
+class _Done:
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's name
+        return True
+
+
+class _Everyone:
+    """The default group's communicator, each rank's row already known (what the swap gets)."""
+
+    def __init__(self, rows: list[list[int]]) -> None:
+        self.rows = rows
+
+    def Get_size(self) -> int:  # noqa: N802
+        return len(self.rows)
+
+    def Iallgather(self, row, out):  # noqa: N802
+        out[...] = self.rows
+        return _Done()
+
+
+def test_every_rank_makes_every_part_in_one_order_numbered_as_its_communicator() -> None:
+    from pcourse.runtime.bootstrap import _swap_parts
+
+    # 4 ranks in two parts: {1, 0} (numbered backwards by its communicator) and {2, 3}
+    rows = [[2, 1, 0, 0], [2, 1, 0, 0], [0, 0, 1, 2], [0, 0, 1, 2]]
+    assert _swap_parts(_Everyone(rows), [1, 0], 1.0) == ([[1, 0], [2, 3]], 0)
+    assert _swap_parts(_Everyone(rows), [2, 3], 1.0) == ([[1, 0], [2, 3]], 1)
+    overlapping = [[1, 2, 0, 0], [0, 1, 2, 0], [0, 1, 2, 0], [0, 0, 0, 1]]
+    with pytest.raises(RuntimeError, match="overlapping communicators"):
+        _swap_parts(_Everyone(overlapping), [0, 1], 1.0)
