@@ -507,8 +507,7 @@ def _fake_cupy_backend(monkeypatch, query):
     backend = cupy_nccl.CupyNCCLBackend.__new__(cupy_nccl.CupyNCCLBackend)
     backend._comm, backend.timeout = FakeComm(), 0.2
     backend.rank, backend.size, backend.device = 0, 2, torch.device("cuda", 0)
-    backend._ranks = (0, 1)  # its ranks' COMM_WORLD ranks: the registry's key
-    monkeypatch.setattr(cupy_nccl, "_current", {backend._ranks: backend})
+    monkeypatch.setattr(cupy_nccl, "_current", backend)
     return backend
 
 
@@ -530,7 +529,7 @@ def test_cupy_close_after_a_peer_died_is_bounded_then_aborts(monkeypatch):
     with pytest.warns(RuntimeWarning, match="close did not complete within 0.2 s.*aborted"):
         backend.close()
     assert time.monotonic() - start < 5
-    assert comm.calls == ["abort"] and backend._comm is None and cupy_nccl._current == {}
+    assert comm.calls == ["abort"] and backend._comm is None and cupy_nccl._current is None
 
 
 def test_an_interrupted_cupy_close_aborts_and_the_interrupt_goes_on(monkeypatch):

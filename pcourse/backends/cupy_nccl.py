@@ -55,10 +55,10 @@ DTYPES = {
 _OPS = {"sum": "NCCL_SUM", "avg": "NCCL_SUM", "max": "NCCL_MAX", "min": "NCCL_MIN",
         "prod": "NCCL_PROD"}
 
-# One NCCL communicator per process and set of ranks (their COMM_WORLD ranks): a
-# re-created backend on the same ranks (a re-run cell) destroys the old one; backends
-# on other parts of the job (a Mesh's groups) live beside it.
-_current: dict[tuple[int, ...], CupyNCCLBackend] = {}
+# One NCCL communicator per process over the whole job: a re-created one (a re-run cell)
+# destroys the old one. Those on a communicator given (parts, a Mesh's groups, which
+# may hold the same ranks) live beside it until closed.
+_current: CupyNCCLBackend | None = None
 
 
 class CupyNCCLBackend(Backend):
@@ -69,6 +69,7 @@ class CupyNCCLBackend(Backend):
 
     def __init__(self, comm: Any = None, *, device: str | torch.device | None = None,
                  timeout: float | None = None) -> None:
+        global _current
         from mpi4py import MPI
 
         from pcourse.backends import unavailable_reason
@@ -86,9 +87,9 @@ class CupyNCCLBackend(Backend):
             self.rank, self.size = mpi.Get_rank(), mpi.Get_size()
             self.device = pick_gpu(self.name, device, mpi)
             cupy.cuda.Device(self.device.index).use()
-            self._ranks = tuple(mpi.allgather(MPI.COMM_WORLD.Get_rank()))
-            if self._ranks in _current:
-                _current[self._ranks].close()
+            whole_job = comm is None or comm == MPI.COMM_WORLD
+            if whole_job and _current is not None:
+                _current.close()
             one_host = len(set(mpi.allgather(socket.gethostname()))) == 1
             with socket_ifname("NCCL_SOCKET_IFNAME", one_host):  # NCCL's bootstrap listener
                 uid = nccl.get_unique_id() if self.rank == 0 else None
@@ -96,7 +97,8 @@ class CupyNCCLBackend(Backend):
                 self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
         finally:
             mpi.Free()
-        _current[self._ranks] = self
+        if whole_job:
+            _current = self
 
     def _live(self) -> Any:
         if self._comm is None:
@@ -172,6 +174,7 @@ class CupyNCCLBackend(Backend):
         A rank whose wait ends early (a peer died, an interrupt) aborts the communicator
         instead: its kernels would wait forever for the peer, and destroy with them.
         """
+        global _current
         comm, interrupted = getattr(self, "_comm", None), None
         if comm is not None and not self._gave_up:
             try:
@@ -186,8 +189,8 @@ class CupyNCCLBackend(Backend):
         elif comm is not None:
             comm.destroy()
         self._comm = None
-        if _current.get(getattr(self, "_ranks", ())) is self:
-            del _current[self._ranks]
+        if _current is self:
+            _current = None
         if interrupted is not None:
             raise interrupted
 
