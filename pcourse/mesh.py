@@ -56,21 +56,13 @@ class Mesh:
         self.world: Backend | None = None
         try:
             self.world = make_backend(backend, comm=self._base, device=device, timeout=timeout)
-            for dim in self.shape:
-                self._comms[dim] = self._base.Split(self._color(dim), key=self.coords[dim])
+            for dim in self.shape:  # color: the group's first rank; numbered by the coordinate
+                self._comms[dim] = self._base.Split(self.ranks(dim)[0], key=self.coords[dim])
                 self._groups[dim] = make_backend(backend, comm=self._comms[dim],
                                                  device=self.world.device, timeout=timeout)
         except BaseException:
             self.close()
             raise
-
-    def _color(self, dim: str) -> int:
-        """The same number for every rank of this rank's group along ``dim``: its other
-        coordinates, as one index."""
-        rest = [(c, n) for (d, c), n in zip(self.coords.items(), self.shape.values(),
-                                             strict=True) if d != dim]
-        return int(np.ravel_multi_index([c for c, _ in rest], [n for _, n in rest])) \
-            if rest else 0
 
     def coord(self, dim: str) -> int:
         """This rank's coordinate along ``dim``: its rank in ``group(dim)``."""
