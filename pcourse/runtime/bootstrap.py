@@ -104,11 +104,10 @@ def release() -> None:
     _users -= 1
     if _users == 0 and _own_default and dist.is_initialized():
         dist.destroy_process_group()  # a later backend meets afresh
-        _own_default = False
+        _own_default, _out_of_step = False, ""
         if _default_comm is not None:
             _default_comm.Free()
             _default_comm = None
-            _out_of_step = ""
 
 
 def from_env(timeout: float) -> None:
