@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pcourse.runtime.agree import MismatchError, agree
+from pcourse.runtime.agree import MismatchError, checked_then_agreed
 
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 ALGORITHMS = ("tree", "ring", "recursive-doubling")
@@ -44,52 +44,53 @@ def _as_array(x: Any, name: str) -> np.ndarray:
     return x.reshape(-1)
 
 
-def _check_same_length(comm: Any, n: int) -> None:
-    """Refuse to start when ranks disagree on the length: it would deadlock or corrupt."""
+def _world(comm: Any) -> Any:
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    return comm
+
+
+def _max_over(comm: Any) -> Any:
+    """The elementwise MAX over ``comm``'s ranks of a small int64 vector (the agreement's)."""
     from mpi4py import MPI
 
     def max_over_ranks(v: np.ndarray) -> np.ndarray:
         comm.Allreduce(MPI.IN_PLACE, v, op=MPI.MAX)
         return v
 
-    agree({"length": n}, max_over_ranks, subject="allreduce needs the same length on every rank",
-          hint="Pass equally sized buffers.", refused=n == REFUSED, error=LengthMismatchError)
+    return max_over_ranks
 
 
-REFUSED = -1  # the "length" a rank reports when its own input is invalid
+def _agreed(checks: Any, comm: Any, kind: str, check: bool) -> Any:
+    """This rank's ``checks()``, then (``check``) one tiny MPI allreduce: every rank passed
+    the same length, or one refused its input (:func:`pcourse.runtime.agree.checked_then_agreed`:
+    a refusing rank still joins, so that every rank raises instead of the others waiting)."""
+    return checked_then_agreed(checks, ("length",), _max_over(comm), check=check,
+                               subject=f"{kind} needs the same length on every rank",
+                               hint="Pass equally sized buffers.", error=LengthMismatchError)
 
 
 def _prepare(x: Any, op: str, out: Any, comm: Any, check: bool):
-    """Shared set-up: the buffer to reduce into, the numpy ufunc, the communicator.
+    """Shared set-up: the buffer to reduce into, the numpy ufunc, the communicator;
+    every rank checked its input and (``check``) that all passed the same length."""
+    comm = _world(comm)
 
-    A rank whose input fails the local checks still joins the length check (with
-    REFUSED), so that every rank raises instead of the others waiting forever.
-    """
-    if comm is None:
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
-    try:
+    def checks():
         if op not in OPS:
             raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
         src = _as_array(x, "input")
-        result = x if out is None else out
         buf = src if out is None else _as_array(out, "out")
         if buf.shape != src.shape or buf.dtype != src.dtype:
             raise ValueError(f"out must match the input: {buf.dtype}{buf.shape} vs "
                              f"{src.dtype}{src.shape}")
-    except (ValueError, TypeError):
-        if check:
-            try:
-                _check_same_length(comm, REFUSED)
-            except LengthMismatchError:
-                pass  # our own error below says what is wrong
-        raise
-    if check:
-        _check_same_length(comm, src.size)
+        return {"length": src.size}, (src, buf)
+
+    src, buf = _agreed(checks, comm, "allreduce", check)
     if buf is not src:
         buf[...] = src
-    return buf, OPS[op], comm, result
+    return buf, OPS[op], comm, x if out is None else out
 
 
 def tree_allreduce(x: Any, op: str = "sum", *, out: Any = None, comm: Any = None,
@@ -254,18 +255,6 @@ def fit_alpha_beta(sizes_bytes: Any, times: Any) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------ the ring's two halves
-def _check_lengths(comm: Any, n: int, kind: str) -> None:
-    """Every rank passed the same length to ``kind`` (or one refused its input)."""
-    from mpi4py import MPI
-
-    def max_over_ranks(v: np.ndarray) -> np.ndarray:
-        comm.Allreduce(MPI.IN_PLACE, v, op=MPI.MAX)
-        return v
-
-    agree({"length": n}, max_over_ranks, subject=f"{kind} needs the same length on every rank",
-          hint="Pass equally sized buffers.", refused=n == REFUSED, error=LengthMismatchError)
-
-
 def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
     """[start, stop) of each rank's chunk of n elements: ``np.array_split``'s cut.
 
@@ -289,31 +278,23 @@ def ring_reduce_scatter(x: Any, op: str = "sum", *, out: Any = None, comm: Any =
     chunk arriving from its left into its working copy; the chunks are numbered so
     that the last one a rank completes is its own. Cost: (p-1)·α + (p-1)/p·N·β.
     """
-    if comm is None:
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
+    comm = _world(comm)
     rank, p = comm.rank, comm.size
-    try:
+
+    def checks():
         if op not in OPS:
             raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
         src = _as_array(x, "input")
         lo, hi = chunk_bounds(src.size, p)[rank]
-        buf = src.copy()  # the working copy the partial sums are added into
         result = np.empty(hi - lo, dtype=src.dtype) if out is None else out
         mine = _as_array(result, "out")
         if mine.size != hi - lo or mine.dtype != src.dtype:
             raise ValueError(f"out must hold rank {rank}'s chunk: {src.dtype}({hi - lo},) "
                              f"for {src.size} elements on {p} ranks, got {mine.dtype}{mine.shape}")
-    except (ValueError, TypeError):
-        if check:
-            try:
-                _check_lengths(comm, REFUSED, "reduce-scatter")
-            except LengthMismatchError:
-                pass
-        raise
-    if check:
-        _check_lengths(comm, src.size, "reduce-scatter")
+        return {"length": src.size}, (src, result, mine)
+
+    src, result, mine = _agreed(checks, comm, "reduce-scatter", check)
+    buf = src.copy()  # the working copy the partial sums are added into
     chunks = [buf[a:b] for a, b in chunk_bounds(buf.size, p)]
     if p > 1 and buf.size:
         reduce = OPS[op]
@@ -333,30 +314,23 @@ def ring_allgather(x: Any, *, out: Any = None, comm: Any = None, check: bool = T
 
     Rank r passes its own chunk (any length; lengths may differ between ranks, as in
     MPI's ``Allgatherv``); ``out`` (a new array if None) receives the chunks of ranks
-    0, 1, ..., p-1 one after the other. The ranks first swap their lengths (one tiny
-    allgather, which also settles that the dtypes agree); then in each of p-1 steps
+    0, 1, ..., p-1 one after the other. The ranks first check that their dtypes agree
+    (``check``) and swap their lengths (one tiny allgather); then in each of p-1 steps
     every rank passes on the chunk it received last. Cost: (p-1)·α + (p-1)/p·N·β for
     N elements in all.
     """
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = _world(comm)
     rank, p = comm.rank, comm.size
-    try:
+
+    def checks():
         src = _as_array(x, "input")
-        facts = np.array([src.size, _code_dtype(src.dtype)], dtype=np.int64)
-    except (ValueError, TypeError):
-        comm.Allgather(np.array([REFUSED, 0], dtype=np.int64), np.empty(2 * p, dtype=np.int64))
-        raise
-    everyone = np.empty(2 * p, dtype=np.int64)
-    comm.Allgather(facts, everyone)  # lengths are needed even without the check
-    sizes, dtypes = everyone[0::2], everyone[1::2]
-    if np.any(sizes == REFUSED):
-        raise LengthMismatchError("allgather: another rank refused its input (see that rank's "
-                                  "error); no data moved")
-    if check and np.unique(dtypes).size > 1:
-        raise LengthMismatchError(f"allgather needs one dtype on every rank (this rank: "
-                                  f"{src.dtype}). Pass buffers of one dtype.")
+        return {"dtype": src.dtype.str}, src
+
+    src = checked_then_agreed(checks, ("dtype",), _max_over(comm), check=check,
+                              subject="allgather needs one dtype on every rank",
+                              hint="Pass buffers of one dtype.", error=LengthMismatchError)
+    sizes = np.empty(p, dtype=np.int64)
+    comm.Allgather(np.array([src.size], dtype=np.int64), sizes)  # lengths may differ
     starts = np.concatenate([[0], np.cumsum(sizes)])
     total = int(starts[-1])
     result = np.empty(total, dtype=src.dtype) if out is None else out
@@ -371,12 +345,6 @@ def ring_allgather(x: Any, *, out: Any = None, comm: Any = None, check: bool = T
         send, recv = chunks[(rank - step) % p], chunks[(rank - step - 1) % p]
         comm.Sendrecv(send, dest=right, sendtag=9, recvbuf=recv, source=left, recvtag=9)
     return result
-
-
-def _code_dtype(dtype: np.dtype) -> int:
-    import zlib
-
-    return zlib.crc32(dtype.str.encode())
 
 
 def half_cost_terms(p: int) -> tuple[float, float]:

@@ -11,7 +11,10 @@ nccl-cupy      CuPy's NCCL bindings                         GPU
 =============  =========================================  ===========
 
 :func:`make_backend` builds one by name, with the keywords every backend takes
-(``comm``, ``device``, ``timeout``: see :mod:`pcourse.backends.base`). The MPI and
+(``comm``, ``device``, ``timeout``: see :mod:`pcourse.backends.base`). ``comm`` may
+be any part of the job (an MPI sub-communicator), and backends of different parts
+live at once: :class:`pcourse.mesh.Mesh` lays the ranks out on named dimensions and
+makes one per dimension. The MPI and
 CuPy backends run on an MPI job; the torch ones also on a torch.distributed
 process group, under torchrun or torch.multiprocessing
 (:mod:`pcourse.backends.torch_dist`). :func:`unavailable_reason` says, without
@@ -56,7 +59,9 @@ def make_backend(name: str, *, comm: Any = None, device: Any = None,
                  timeout: float | None = None) -> Backend:
     """Create the backend called ``name`` (see BACKENDS) on this rank.
 
-    ``comm``: the MPI communicator whose ranks take part (default: every rank);
+    ``comm``: the MPI communicator whose ranks take part (default: every rank; a part
+    of the job from ``Split`` works for every backend; for torch's, every rank of the
+    job makes its own part's backend at the same time: :mod:`pcourse.runtime.bootstrap`);
     ``device``: where its tensors live (default: the rank's GPU for NCCL, else the CPU);
     ``timeout``: seconds a collective may wait for a peer (default: the course's).
     Raises BackendUnavailable, with the reason, where this machine cannot run it.

@@ -12,8 +12,12 @@ Callers that already know the ranks agree, such as a bucket layout checked once,
 pass ``check=False``.
 
 Every backend is built with the same keywords: ``comm`` (what the ranks talk over;
-default: the whole job), ``device`` (default: this rank's own) and ``timeout``
-(seconds a collective may wait for the other ranks; default :func:`collective_timeout`).
+default: the whole job; or any part of it, several parts at once: :mod:`pcourse.mesh`),
+``device`` (default: this rank's own) and ``timeout`` (seconds a collective may wait
+for the other ranks; default :func:`collective_timeout`).
+
+``avg`` is one rule for every backend, :meth:`Backend.avg_divisors`: 16-bit data is
+divided before it is summed, wider data after.
 
 Nothing waits forever, and nothing waits deaf: a rank that waits for its peers does
 so where an interrupt (JupyterLab's stop button, Ctrl-C) stops it at once, and after
@@ -35,7 +39,7 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only: listing the backends loads no torch
     import torch
 
-from pcourse.runtime.agree import MismatchError, agree
+from pcourse.runtime.agree import MismatchError, checked_then_agreed
 from pcourse.runtime.ranks import BackendUnavailable
 
 OPS = ("sum", "avg", "max", "min", "prod")
@@ -115,17 +119,12 @@ def check_op(op: str) -> str:
     return op
 
 
-def divides_first(tensor: torch.Tensor, op: str) -> bool:
-    """Whether ``avg`` divides before it sums: in 16 bits a sum over many ranks can
-    overflow (float16 tops out at 65504) where the same sum of the shares cannot."""
-    return op == "avg" and str(tensor.dtype) in ("torch.float16", "torch.bfloat16")
-
-
 def check_avg_dtype(tensor: torch.Tensor, op: str) -> None:
     """Refuse ``avg`` of an integer tensor: sum / size does not fit in place.
 
-    Every backend computes avg as sum then divide; an integer tensor would need a
-    silent rounding choice, so the caller decides (reduce with sum, then divide).
+    Every backend computes avg as a sum and a division (:meth:`Backend.avg_divisors`); an
+    integer tensor would need a silent rounding choice, so the caller decides (reduce
+    with sum, then divide).
     """
     if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise TypeError(
@@ -159,6 +158,7 @@ class Backend(ABC):
     any_device: bool = False  # True: takes tensors on any device (stages them itself)
     needs_gpu: bool = False  # True: runs only with one GPU per rank
     timeout: float  # seconds a collective may wait for the other ranks
+    native_avg: bool = False  # True: the library averages itself (NCCL's AVG)
     _gave_up: str = ""  # the collective this rank stopped waiting for (see module docstring)
 
     @abstractmethod
@@ -215,16 +215,13 @@ class Backend(ABC):
 
     def _agree(self, tensor: torch.Tensor, check: bool, *, op: str | None = None,
                root: int | None = None) -> None:
-        """Local checks, then (``check``) one tiny allreduce: every rank passed the same.
-
-        A rank whose input fails the local checks still joins the allreduce, so that
-        every rank raises (this one its own error, the others a MismatchError).
-        """
+        """Local checks, then (``check``) one tiny allreduce: every rank passed the same
+        (:func:`pcourse.runtime.agree.checked_then_agreed`)."""
         import torch  # here, not at import: listing the backends loads no torch
 
         kind, last = ("allreduce", "op") if root is None else ("broadcast", "root")
-        facts: dict[str, int | str] = {"length": 0, "dtype": "", last: 0}  # until checked
-        try:
+
+        def checks() -> tuple[dict[str, int | str], None]:
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
             if root is None:
@@ -233,16 +230,28 @@ class Backend(ABC):
             elif isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.size:
                 raise ValueError(f"root must be a rank from 0 to {self.size - 1}, got {root!r}")
             self._check_tensor(tensor, op)
-            facts = {"length": tensor.numel(), "dtype": str(tensor.dtype).removeprefix("torch."),
-                     last: op if root is None else root}
-        except (ValueError, TypeError):
-            if check:
-                agree(facts, self.max_over_ranks, subject="", hint="", refused=True)
-            raise
-        if check:
-            agree(facts, self.max_over_ranks,
-                  subject=f"{kind} needs the same length, dtype and {last} on every rank",
-                  hint="Call it with equally sized tensors of one dtype on every rank.")
+            return {"length": tensor.numel(), "dtype": str(tensor.dtype).removeprefix("torch."),
+                    last: op if root is None else root}, None
+
+        checked_then_agreed(checks, ("length", "dtype", last), self.max_over_ranks, check=check,
+                            subject=f"{kind} needs the same length, dtype and {last} on every rank",
+                            hint="Call it with equally sized tensors of one dtype on every rank.")
+
+    def avg_divisors(self, dtype: torch.dtype, op: str) -> tuple[int, int]:
+        """How ``op`` divides by the number of ranks: (before the sum, after it); 1 = not.
+
+        The one rule of every backend's ``avg`` (allreduce and reduce_scatter alike):
+        16-bit data is divided first, because its sum over the ranks can overflow
+        (float16 tops out at 65504) where the sum of the shares cannot; wider data is
+        divided after, one rounding fewer. A library with an AVG of its own (NCCL's,
+        ``native_avg``) divides itself. ``dtype``: what the library sums (MPI sums
+        bfloat16 widened to float32).
+        """
+        if op != "avg" or self.native_avg:
+            return 1, 1
+        if str(dtype) in ("torch.float16", "torch.bfloat16"):
+            return self.size, 1
+        return 1, self.size
 
     def max_over_ranks(self, v: np.ndarray) -> np.ndarray:
         """The elementwise max over ranks of a small int64 vector (for agreement checks)."""
@@ -301,14 +310,13 @@ class Backend(ABC):
         """Local checks of a reduce-scatter / all-gather, then (``check``) the agreement.
 
         The big side has size times the elements of the small one; both one dtype.
-        Like :meth:`_agree`, a rank whose input fails still joins the agreement.
         """
         import torch
 
         self._check_in_step()
         small, big = (output, input) if kind == "reduce_scatter" else (input, output)
-        facts: dict[str, int | str] = {"length": 0, "dtype": "", "op": ""}
-        try:
+
+        def checks() -> tuple[dict[str, int | str], None]:
             for label, t in (("output", output), ("input", input)):
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"{kind}: {label} must be a torch.Tensor, "
@@ -329,16 +337,12 @@ class Backend(ABC):
                 check_avg_dtype(input, op)
             self._check_tensor(output, op)
             self._check_tensor(input, op)
-            facts = {"length": small.numel(), "dtype": str(input.dtype).removeprefix("torch."),
-                     "op": op or ""}
-        except (ValueError, TypeError):
-            if check:
-                agree(facts, self.max_over_ranks, subject="", hint="", refused=True)
-            raise
-        if check:
-            agree(facts, self.max_over_ranks,
-                  subject=f"{kind} needs the same length, dtype and op on every rank",
-                  hint="Call it with equally sized tensors of one dtype on every rank.")
+            return {"length": small.numel(), "dtype": str(input.dtype).removeprefix("torch."),
+                    "op": op or ""}, None
+
+        checked_then_agreed(checks, ("length", "dtype", "op"), self.max_over_ranks, check=check,
+                            subject=f"{kind} needs the same length, dtype and op on every rank",
+                            hint="Call it with equally sized tensors of one dtype on every rank.")
 
 
 class AsyncBackend(Backend):

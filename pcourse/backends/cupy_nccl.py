@@ -2,10 +2,13 @@
 
 NCCL needs every rank to start from the same 128-byte "unique id". Rank 0 makes it
 with ``nccl.get_unique_id()``, MPI broadcasts it, and each process builds one
-``NcclCommunicator(size, uid, rank)`` for its own GPU. After that, MPI is no longer
-involved: ``allReduce`` runs on raw device pointers, enqueued on torch's current
-CUDA stream so that it is ordered after the kernels that produced the gradients
-and before those that use them, without any synchronisation of our own.
+``NcclCommunicator(size, uid, rank)`` for its own GPU. On a part of the job (``comm``
+a sub-communicator, one group of a :class:`pcourse.mesh.Mesh`) the same happens within
+the part: its rank 0 makes the id, and the part's communicator broadcasts it; each
+part has its own communicator. After that, MPI is no longer involved: ``allReduce``
+runs on raw device pointers, enqueued on torch's current CUDA stream so that it is
+ordered after the kernels that produced the gradients and before those that use
+them, without any synchronisation of our own.
 
 NCCL's kernels run on the stream while the CPU goes on, so the backend itself waits
 only for the agreement check's result, in ``barrier`` and in ``close``: interruptibly,
@@ -33,7 +36,6 @@ from pcourse.backends.base import (
     Backend,
     BackendUnavailable,
     collective_timeout,
-    divides_first,
     private_comm,
 )
 from pcourse.runtime.bootstrap import socket_ifname
@@ -53,7 +55,9 @@ DTYPES = {
 _OPS = {"sum": "NCCL_SUM", "avg": "NCCL_SUM", "max": "NCCL_MAX", "min": "NCCL_MIN",
         "prod": "NCCL_PROD"}
 
-# One NCCL communicator per process: a re-created backend destroys the old one.
+# One NCCL communicator per process over the whole job: a re-created one (a re-run cell)
+# destroys the old one. Those on a communicator given (parts, a Mesh's groups, which
+# may hold the same ranks) live beside it until closed.
 _current: CupyNCCLBackend | None = None
 
 
@@ -66,6 +70,8 @@ class CupyNCCLBackend(Backend):
     def __init__(self, comm: Any = None, *, device: str | torch.device | None = None,
                  timeout: float | None = None) -> None:
         global _current
+        from mpi4py import MPI
+
         from pcourse.backends import unavailable_reason
 
         reason = unavailable_reason("nccl-cupy")  # local checks: fails fast, alone
@@ -81,7 +87,8 @@ class CupyNCCLBackend(Backend):
             self.rank, self.size = mpi.Get_rank(), mpi.Get_size()
             self.device = pick_gpu(self.name, device, mpi)
             cupy.cuda.Device(self.device.index).use()
-            if _current is not None:
+            whole_job = comm is None or comm == MPI.COMM_WORLD
+            if whole_job and _current is not None:
                 _current.close()
             one_host = len(set(mpi.allgather(socket.gethostname()))) == 1
             with socket_ifname("NCCL_SOCKET_IFNAME", one_host):  # NCCL's bootstrap listener
@@ -90,7 +97,8 @@ class CupyNCCLBackend(Backend):
                 self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
         finally:
             mpi.Free()
-        _current = self
+        if whole_job:
+            _current = self
 
     def _live(self) -> Any:
         if self._comm is None:
@@ -121,13 +129,13 @@ class CupyNCCLBackend(Backend):
         t = tensor.detach()
         buf = t if t.is_contiguous() else t.contiguous()
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        first = divides_first(buf, op)
-        if first:
-            buf.div_(self.size)  # same stream: runs before the reduction
+        before, after = self.avg_divisors(buf.dtype, op)  # avg: 16 bits divide first
+        if before > 1:
+            buf.div_(before)  # same stream: runs before the reduction
         self._live().allReduce(buf.data_ptr(), buf.data_ptr(), buf.numel(),
                                self._dtype(buf.dtype), getattr(self._nccl, _OPS[op]), stream)
-        if op == "avg" and not first:
-            buf.div_(self.size)  # same stream: runs after the reduction
+        if after > 1:
+            buf.div_(after)  # same stream: runs after the reduction
         if buf.data_ptr() != tensor.data_ptr():
             tensor.detach().copy_(buf)
         return tensor
@@ -192,12 +200,15 @@ class CupyNCCLBackend(Backend):
         """NCCL's ``reduceScatter`` on device pointers, on torch's current stream."""
         self._agree_blocks("reduce_scatter", output, input, check, op)
         out, inp = output.detach(), input.detach()
+        before, after = self.avg_divisors(inp.dtype, op)
+        if before > 1:
+            inp = inp / before  # a copy (the input stays), on the same stream: before it
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self._live().reduceScatter(inp.data_ptr(), out.data_ptr(), out.numel(),
                                    self._dtype(inp.dtype), getattr(self._nccl, _OPS[op]),
                                    stream)
-        if op == "avg":
-            out.div_(self.size)  # same stream: after the reduction
+        if after > 1:
+            out.div_(after)  # same stream: after the reduction
         return output
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,

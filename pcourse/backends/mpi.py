@@ -33,7 +33,6 @@ from pcourse.backends.base import (
     Pending,
     Work,
     collective_timeout,
-    divides_first,
     private_comm,
 )
 from pcourse.runtime import private
@@ -110,14 +109,14 @@ class MPIBackend(_MPICommBackend, AsyncBackend):
                         check: bool = True) -> Work:
         self._agree(tensor, check, op=op)
         host, staged = self._host_buffer(tensor, reduce=True)
-        first = divides_first(host, op)  # float16 summed natively (bfloat16 is widened)
-        if first:
-            host.div_(self.size)
+        before, after = self.avg_divisors(host.dtype, op)  # avg: 16 bits divide first
+        if before > 1:
+            host.div_(before)
         request = self._live().Iallreduce(self._MPI.IN_PLACE, host.numpy(), self._op(op))
 
         def finish() -> None:
-            if op == "avg" and not first:
-                host.div_(self.size)
+            if after > 1:
+                host.div_(after)
             if staged:
                 tensor.detach().copy_(host)
 
@@ -161,10 +160,13 @@ class MPIBackend(_MPICommBackend, AsyncBackend):
         recv, staged = self._host_buffer(output, reduce=True)
         if recv.dtype != send.dtype:  # output was not widened like input: a fresh one
             recv, staged = torch.empty(output.numel(), dtype=send.dtype), True
+        before, after = self.avg_divisors(send.dtype, op)
+        if before > 1:
+            send = send / before  # a copy: the input stays as it was
         request = self._live().Ireduce_scatter_block(send.numpy(), recv.numpy(), self._op(op))
         self._wait(request, "reduce_scatter")
-        if op == "avg":
-            recv.div_(self.size)
+        if after > 1:
+            recv.div_(after)
         if staged:
             output.detach().copy_(recv.view_as(output))
         return output
@@ -206,7 +208,6 @@ class MPIPickleBackend(_MPICommBackend):
     """
 
     name = "mpi-pickle"
-    keeps_deadline = False  # True: the pickles travel by nonblocking MPI, with the deadline
 
     def __init__(self, comm: Any = None, *, device: str | torch.device | None = None,
                  timeout: float | None = None) -> None:
@@ -220,15 +221,12 @@ class MPIPickleBackend(_MPICommBackend):
                   check: bool = True) -> torch.Tensor:
         self._agree(tensor, check, op=op)
         host = tensor.detach().cpu()
-        first = divides_first(host, op)
-        if first:
-            host = host / self.size
-        if self.keeps_deadline:
-            result = self.allreduce_objects(host, self._ops[op])
-        else:
-            result = self._live().allreduce(host, op=self._ops[op])  # the source's call
-        if op == "avg" and not first:
-            result = result / self.size
+        before, after = self.avg_divisors(host.dtype, op)  # avg: 16 bits divide first
+        if before > 1:
+            host = host / before
+        result = self._live().allreduce(host, op=self._ops[op])  # the source's call
+        if after > 1:
+            result = result / after
         tensor.detach().copy_(result)
         return tensor
 
@@ -236,59 +234,10 @@ class MPIPickleBackend(_MPICommBackend):
                   check: bool = True) -> torch.Tensor:
         self._agree(tensor, check, root=root)
         mine = tensor.detach().cpu() if self.rank == root else None
-        if self.keeps_deadline:
-            theirs = self.bcast_object(mine, root)
-        else:
-            theirs = self._live().bcast(mine, root=root)  # mpi4py's comm.bcast
+        theirs = self._live().bcast(mine, root=root)  # mpi4py's comm.bcast
         if self.rank != root:
             tensor.detach().copy_(theirs)
         return tensor
-
-    def allreduce_objects(self, obj: Any, op: Any) -> Any:
-        """What ``comm.allreduce(obj, op)`` does, on nonblocking MPI: a tree, then a broadcast.
-
-        Each rank reduces what the ranks above it send (pickled) into its own with
-        ``op`` and sends the result down, until rank 0 holds the reduction of all,
-        in rank order; rank 0's result is then broadcast to every rank, pickled.
-        Every wait keeps the deadline and hears an interrupt.
-        """
-        mask = 1
-        while mask < self.size:
-            if self.rank & mask:  # my part is in: hand it to the rank that collects it
-                self._send_object(obj, self.rank - mask)
-                break
-            if self.rank + mask < self.size:
-                obj = op(obj, self._recv_object(self.rank + mask))
-            mask <<= 1
-        return self.bcast_object(obj if self.rank == 0 else None, 0, what="allreduce")
-
-    def _send_object(self, obj: Any, dest: int) -> None:
-        """mpi4py's ``comm.send`` in a collective: the pickle's length, then the pickle."""
-        data = self._MPI.pickle.dumps(obj)
-        count = np.array([len(data)], dtype=np.int64)
-        comm = self._live()
-        self._wait(comm.Isend(count, dest), "allreduce")
-        self._wait(comm.Isend(data, dest), "allreduce")
-
-    def _recv_object(self, source: int) -> Any:
-        count, comm = np.empty(1, dtype=np.int64), self._live()
-        self._wait(comm.Irecv(count, source), "allreduce")
-        data = bytearray(int(count[0]))
-        self._wait(comm.Irecv(data, source), "allreduce")
-        return self._MPI.pickle.loads(data)
-
-    def bcast_object(self, obj: Any, root: int, *, what: str = "broadcast") -> Any:
-        """What ``comm.bcast(obj, root)`` does, on nonblocking MPI: the length, then the pickle.
-
-        The root keeps its own object (mpi4py's gets an unpickled copy). ``what``
-        names the collective in a timeout's message."""
-        comm = self._live()
-        data = self._MPI.pickle.dumps(obj) if self.rank == root else b""
-        count = np.array([len(data)], dtype=np.int64)
-        self._wait(comm.Ibcast(count, root=root), what)
-        buf = data if self.rank == root else bytearray(int(count[0]))
-        self._wait(comm.Ibcast(buf, root=root), what)
-        return obj if self.rank == root else self._MPI.pickle.loads(buf)
 
     def close(self) -> None:
         if self.comm is not None and not self._MPI.Is_finalized():
@@ -301,10 +250,73 @@ class MPIPickleDeadlineBackend(MPIPickleBackend):
     """``mpi-pickle-deadline``: mpi-pickle's pickles, moved by nonblocking MPI, so every
     wait keeps the deadline and hears an interrupt (what the fault tests need).
 
-    The same pickles, tree and Python reduction as ``comm.allreduce``, sent hop by hop
-    (a length message, then the payload, polled from Python): slower than mpi4py's
-    own call, and not what the source runs; no lesson or benchmark times it.
+    Its communicator's lowercase ``allreduce`` and ``bcast`` are
+    :class:`_PicklesWithDeadline`'s: the same pickles, tree and Python reduction as
+    mpi4py's, sent hop by hop (a length message, then the payload, polled from
+    Python). Slower than mpi4py's own call, and not what the source runs; no lesson or
+    benchmark times it.
     """
 
     name = "mpi-pickle-deadline"
-    keeps_deadline = True
+
+    def _live(self) -> Any:
+        return _PicklesWithDeadline(self, super()._live())
+
+
+class _PicklesWithDeadline:
+    """An MPI communicator whose ``allreduce`` and ``bcast`` of objects keep ``backend``'s
+    deadline; everything else is the communicator's own."""
+
+    def __init__(self, backend: _MPICommBackend, comm: Any) -> None:
+        self._backend, self._comm = backend, comm
+        self._pickle = backend._MPI.pickle
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+    def allreduce(self, obj: Any, op: Any) -> Any:
+        """What ``comm.allreduce(obj, op)`` does, on nonblocking MPI: a tree, then a broadcast.
+
+        Each rank reduces what the ranks above it send (pickled) into its own with
+        ``op`` and sends the result down, until rank 0 holds the reduction of all,
+        in rank order; rank 0's result is then broadcast to every rank, pickled.
+        """
+        rank, size = self._comm.Get_rank(), self._comm.Get_size()
+        mask = 1
+        while mask < size:
+            if rank & mask:  # my part is in: hand it to the rank that collects it
+                self._send(obj, rank - mask)
+                break
+            if rank + mask < size:
+                obj = op(obj, self._recv(rank + mask))
+            mask <<= 1
+        return self.bcast(obj if rank == 0 else None, 0, what="allreduce")
+
+    def bcast(self, obj: Any, root: int = 0, *, what: str = "broadcast") -> Any:
+        """What ``comm.bcast(obj, root)`` does, on nonblocking MPI: the length, then the pickle.
+
+        The root keeps its own object (mpi4py's gets an unpickled copy). ``what``
+        names the collective in a timeout's message."""
+        mine = self._comm.Get_rank() == root
+        data = self._pickle.dumps(obj) if mine else b""
+        count = np.array([len(data)], dtype=np.int64)
+        self._wait(self._comm.Ibcast(count, root=root), what)
+        buf = data if mine else bytearray(int(count[0]))
+        self._wait(self._comm.Ibcast(buf, root=root), what)
+        return obj if mine else self._pickle.loads(buf)
+
+    def _send(self, obj: Any, dest: int) -> None:
+        """mpi4py's ``comm.send`` in a collective: the pickle's length, then the pickle."""
+        data = self._pickle.dumps(obj)
+        self._wait(self._comm.Isend(np.array([len(data)], dtype=np.int64), dest), "allreduce")
+        self._wait(self._comm.Isend(data, dest), "allreduce")
+
+    def _recv(self, source: int) -> Any:
+        count = np.empty(1, dtype=np.int64)
+        self._wait(self._comm.Irecv(count, source), "allreduce")
+        data = bytearray(int(count[0]))
+        self._wait(self._comm.Irecv(data, source), "allreduce")
+        return self._pickle.loads(data)
+
+    def _wait(self, request: Any, what: str) -> None:
+        self._backend._wait(request, what)

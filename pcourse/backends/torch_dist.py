@@ -13,8 +13,13 @@ from, the first of these that applies:
 
 In cases 2 and 3 each backend object gets its *own* group on top of torch's default
 group, so a re-run notebook cell simply makes another, and gloo, nccl and an older
-gloo object can all live at once. Pass ``backend.group`` to code that takes a process
-group (DDP's ``process_group=``).
+gloo object can all live at once. In case 3 ``comm`` may be any part of the job (a
+``Split`` sub-communicator, a :class:`pcourse.mesh.Mesh` dimension): the group is
+``new_group`` over its members, numbered as ``comm`` numbers them, and backends of
+different membership live side by side. Making one is collective over every rank of
+the default group, each passing its own part (the rule, and why, is in
+:mod:`pcourse.runtime.bootstrap`). Pass ``backend.group`` to code that takes a
+process group (DDP's ``process_group=``).
 
 Every collective has a deadline: ``timeout`` (default:
 :func:`pcourse.backends.base.collective_timeout`) is the process group's timeout,
@@ -40,7 +45,6 @@ from pcourse.backends.base import (
     Pending,
     Work,
     collective_timeout,
-    divides_first,
     private_comm,
 )
 from pcourse.runtime import bootstrap
@@ -70,29 +74,47 @@ class _TorchBackend(AsyncBackend):
             return
         if comm is None and launcher() != "mpi" and (dist.is_initialized()
                                                      or launcher() == "torchrun"):
-            self._from_torch(device)  # 2. torchrun, torch.multiprocessing
+            parts, mine = self._from_torch(device)  # 2. torchrun, torch.multiprocessing
         else:
-            self._from_mpi(comm, device)  # 3. the MPI bootstrap
+            parts, mine = self._from_mpi(comm, device)  # 3. the MPI bootstrap
         self.address = bootstrap.address()
         with bootstrap.binding(self.ifname_var):
-            self.group = dist.new_group(backend=self.dist_backend,
-                                        timeout=timedelta(seconds=self.timeout))
+            self.group = self._new_groups(parts, mine)
             bootstrap.joined()
             self._connect()
 
-    def _from_torch(self, device: str | torch.device | None) -> None:
+    def _from_torch(self, device: str | torch.device | None) -> tuple[list[list[int]], int]:
         bootstrap.from_env(self.timeout)
         self.rank, self.size = self._dist.get_rank(), self._dist.get_world_size()
         self.device = self._pick_device(device, None)
+        return [list(range(self.size))], 0  # one group: every rank of the default group
 
-    def _from_mpi(self, comm: Any, device: str | torch.device | None) -> None:
+    def _from_mpi(self, comm: Any, device: str | torch.device | None
+                  ) -> tuple[list[list[int]], int]:
         mpi = private_comm(comm, self.name)
         try:
             self.rank, self.size = mpi.Get_rank(), mpi.Get_size()
             self.device = self._pick_device(device, mpi)
-            bootstrap.ensure_default_group(mpi, self.ifname_var, self.timeout)
+            return bootstrap.groups_for(mpi, self.ifname_var, self.timeout)
         finally:
             mpi.Free()
+
+    def _new_groups(self, parts: list[list[int]], mine: int) -> Any:
+        """Every part's group, made in order on every rank (bootstrap's rule); this rank's.
+
+        A part lists default-group ranks in the order of its communicator's ranks, so
+        that this backend's rank is its rank in ``comm``, as for the MPI backends."""
+        import inspect
+
+        dist, timeout = self._dist, timedelta(seconds=self.timeout)
+        keeps_order = "sort_ranks" in inspect.signature(dist.new_group).parameters
+        if not keeps_order and parts[mine] != sorted(parts[mine]):
+            raise ValueError("this torch numbers a group's ranks in the job's order: make the "
+                             "communicator with Split(color, key=rank) so its order is the same")
+        groups = [dist.new_group(ranks=part, backend=self.dist_backend, timeout=timeout,
+                                 **({"sort_ranks": False} if keeps_order else {}))
+                  for part in parts]
+        return groups[mine]
 
     def _pick_device(self, device: str | torch.device | None, mpi: Any) -> torch.device:
         if device is not None and torch.device(device).type != "cpu":
@@ -132,18 +154,15 @@ class _TorchBackend(AsyncBackend):
                         check: bool = True) -> Work:
         self._agree(tensor, check, op=op)
         group = self._live()
-        native_avg = op == "avg" and self.dist_backend == "nccl"
         buf = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
-        first = not native_avg and divides_first(buf, op)
-        if first:
-            buf.div_(self.size)
-        handle = self._dist.all_reduce(buf, op=self._reduce_op(op, native_avg), group=group,
-                                       async_op=True)
-        divide = self.size if op == "avg" and not native_avg and not first else 0
+        before, after = self.avg_divisors(buf.dtype, op)  # avg: 16 bits divide first
+        if before > 1:
+            buf.div_(before)
+        handle = self._dist.all_reduce(buf, op=self._reduce_op(op), group=group, async_op=True)
 
         def finish() -> None:
-            if divide:
-                buf.div_(divide)
+            if after > 1:
+                buf.div_(after)
             _copy_back(tensor, buf)
 
         return Pending(lambda: self._wait(handle, "allreduce"), finish, keep=(tensor, buf),
@@ -188,10 +207,10 @@ class _TorchBackend(AsyncBackend):
         self.group = None
         bootstrap.release()
 
-    def _reduce_op(self, op: str, native_avg: bool) -> Any:
+    def _reduce_op(self, op: str) -> Any:
         R = self._dist.ReduceOp
-        # Gloo has no AVG; NCCL has it for floating types: sum then divide elsewhere.
-        return {"sum": R.SUM, "avg": R.AVG if native_avg else R.SUM, "max": R.MAX,
+        # Gloo has no AVG: a sum, divided as avg_divisors says; NCCL has one (native_avg).
+        return {"sum": R.SUM, "avg": R.AVG if self.native_avg else R.SUM, "max": R.MAX,
                 "min": R.MIN, "prod": R.PRODUCT}[op]
 
     # ---------------------------------------------------- sharding (lesson 10)
@@ -200,16 +219,16 @@ class _TorchBackend(AsyncBackend):
         """torch.distributed's ``reduce_scatter_tensor``, waited for like allreduce."""
         self._agree_blocks("reduce_scatter", output, input, check, op)
         group = self._live()
-        native_avg = op == "avg" and self.dist_backend == "nccl"
+        before, after = self.avg_divisors(input.dtype, op)
+        send = input.detach() if before == 1 else input.detach() / before  # input unchanged
         # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single
         reduce_scatter = getattr(self._dist, "reduce_scatter_single", None) \
             or self._dist.reduce_scatter_tensor
-        handle = reduce_scatter(
-            output.detach(), input.detach(), op=self._reduce_op(op, native_avg), group=group,
-            async_op=True)
+        handle = reduce_scatter(output.detach(), send, op=self._reduce_op(op), group=group,
+                                async_op=True)
         self._wait(handle, "reduce_scatter")
-        if op == "avg" and not native_avg:
-            output.detach().div_(self.size)
+        if after > 1:
+            output.detach().div_(after)
         return output
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
@@ -244,6 +263,7 @@ class NCCLBackend(_TorchBackend):
     dist_backend = "nccl"
     ifname_var = "NCCL_SOCKET_IFNAME"
     needs_gpu = True
+    native_avg = True  # NCCL's own AVG (floating types; avg of integers is refused before)
 
     def __init__(self, comm: Any = None, *, device: str | torch.device | None = None,
                  timeout: float | None = None) -> None:

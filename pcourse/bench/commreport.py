@@ -52,7 +52,7 @@ def add_rates(rows: list[dict]) -> list[dict]:
     for r in rows:
         p, t = r["ranks"], r["seconds"]
         r["algbw_GBps"] = r["bytes"] / t / 1e9
-        r["busbw_GBps"] = r["algbw_GBps"] * 2 * (p - 1) / p
+        r["busbw_GBps"] = r["algbw_GBps"] * collectives.cost_terms("ring", p)[1]
         ref = native.get((p, r["bytes"]))
         r["speed_vs_mpi"] = ref / r["latency_us"] if ref else float("nan")
     return rows

@@ -35,10 +35,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pcourse.collectives import cost_terms
+
 
 def ring_bytes(numel: int, itemsize: int, p: int) -> float:
-    """Bytes one rank sends in a ring allreduce of ``numel`` items (lesson 03's 2(p−1)/p·N)."""
-    return 2 * (p - 1) / p * numel * itemsize
+    """Bytes one rank sends in a ring allreduce of ``numel`` items (lesson 03's 2(p−1)/p·N,
+    :func:`pcourse.collectives.cost_terms`)."""
+    return cost_terms("ring", p)[1] * numel * itemsize
 
 
 def _shared_scale(x: torch.Tensor, group: Any) -> float:

@@ -11,6 +11,9 @@ Used by the from-scratch collectives (lesson 03), every backend (lesson 04) and 
 model fingerprint of :mod:`pcourse.data_parallel`. numpy only: no torch, no MPI here;
 the caller passes the MAX-allreduce of its own transport.
 
+:func:`checked_then_agreed` is the whole dance every collective does: this rank's own
+checks of its input, then the agreement, joined as refused where the checks failed.
+
 The same rule for a step that can fail on some ranks only (:func:`everyone`): the
 ranks exchange how it went, and if it failed anywhere, every rank raises the same
 error, naming the ranks, instead of some waiting forever for the others.
@@ -19,7 +22,7 @@ error, naming the ranks, instead of some waiting forever for the others.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -98,3 +101,27 @@ def agree(
                 diffs.append(f"{key} ranges from {lo} to {hi} (this rank: {value})")
     if diffs:
         raise error(f"{subject}, but " + "; ".join(diffs) + f". {hint}")
+
+
+def checked_then_agreed(checks: Callable[[], tuple[Mapping[str, int | str], T]],
+                        keys: Sequence[str], max_over_ranks: MaxOverRanks, *, check: bool = True,
+                        subject: str, hint: str, error: type[ValueError] = MismatchError) -> T:
+    """This rank's own ``checks()`` of its input, then (``check``) :func:`agree` of all ranks.
+
+    ``checks`` raises ValueError or TypeError when this rank's input is bad; else it
+    returns ``(facts, value)``, the facts keyed by ``keys`` in that order. A rank whose
+    input is bad still joins the agreement, as refused, so that no rank waits for it
+    forever: it raises its own error, every other rank ``error``. Returns ``value``.
+    Collective when ``check``; ``check=False`` where the caller knows the ranks agree.
+    """
+    try:
+        facts, value = checks()
+    except (ValueError, TypeError):
+        if check:
+            agree(dict.fromkeys(keys, 0), max_over_ranks, subject=subject, hint=hint,
+                  refused=True)
+        raise
+    if check:
+        agree({k: facts[k] for k in keys}, max_over_ranks, subject=subject, hint=hint,
+              error=error)
+    return value

@@ -25,10 +25,26 @@ unless it is set: torch's default (3) ends the whole process when a collective t
 out, which would kill a notebook's engine instead of raising in it (:func:`binding`).
 
 torch.distributed has one default process group per process. The first backend that
-needs it creates it (here); every backend object then gets its *own* group on top of
+needs it creates it (here), over the ranks of its communicator (the whole job unless
+it was given a part of it); every backend object then gets its *own* group on top of
 it with ``new_group``, so a re-run notebook cell simply makes another group. The
 default group goes when the last backend that needed it lets go (:func:`release`), if
 it was made here.
+
+**The rule for groups** (:func:`groups_for`). A backend may run on any part of the
+default group's ranks, and backends of different membership may live at once (a
+tensor-parallel and a data-parallel group). torch names a group by counting the
+groups made in its process, so every rank of the default group makes *every* group,
+in the same order, members or not. Making a torch backend is therefore collective
+over every rank of the default group: each rank passes its own communicator (its
+part: ``comm.Split``; a rank in no part passes ``MPI.COMM_SELF``), the ranks swap
+who is in which part, and each makes all the parts' groups, in one order, keeping
+its own. Make the first torch backend of a process over the whole job (the default)
+when parts of it will follow: :class:`pcourse.mesh.Mesh` does. A rank that does not
+come within the timeout is an error on the others, not a hang. (torch's other mode,
+``use_local_synchronization``, involves only the members, but names a group by its
+ranks and the count of live groups in each process: a re-made or re-run group can
+clash with a live one, and processes with different histories disagree on names.)
 """
 
 from __future__ import annotations
@@ -54,6 +70,8 @@ NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 _users = 0  # backends standing on the default group
 _own_default = False  # whether the default group was made here
 _address = ""  # host:port of the default group's store, where the ranks met
+_default_comm: Any = None  # a duplicate of the MPI communicator the default group was made on
+_out_of_step = ""  # why the default group's ranks no longer make groups in one order
 
 
 def address() -> str:
@@ -80,13 +98,16 @@ def joined() -> None:
 
 def release() -> None:
     """A backend let go of the default group; the last one destroys it, if made here."""
-    global _users, _own_default
+    global _users, _own_default, _default_comm, _out_of_step
     import torch.distributed as dist
 
     _users -= 1
     if _users == 0 and _own_default and dist.is_initialized():
         dist.destroy_process_group()  # a later backend meets afresh
-        _own_default = False
+        _own_default, _out_of_step = False, ""
+        if _default_comm is not None:
+            _default_comm.Free()
+            _default_comm = None
 
 
 def from_env(timeout: float) -> None:
@@ -113,33 +134,88 @@ def _default_kind() -> str:
         else "gloo"
 
 
-def ensure_default_group(mpi: Any, ifname_var: str, timeout: float) -> None:
-    """Initialise torch's default group from the MPI rendezvous, unless it exists.
+def groups_for(mpi: Any, ifname_var: str, timeout: float) -> tuple[list[list[int]], int]:
+    """The groups every rank of torch's default group makes now, and which is this rank's.
 
-    Collective: every rank reports its state first, so that a mix (initialised on
-    some ranks only, or with other ranks) is an error on all ranks, not a hang.
+    ``mpi``: the communicator of this rank's backend. Makes the default group over
+    ``mpi`` first if there is none. Each group is the default-group ranks of one
+    communicator's members, in that communicator's rank order; every rank makes all of
+    them, in the order returned (the module docstring's rule). Collective over every
+    rank of the default group, each passing its own communicator.
     """
-    global _own_default, _address
     import torch.distributed as dist
 
     here = dist.is_initialized()
-    fits = not here or (dist.get_rank(), dist.get_world_size()) == (mpi.Get_rank(),
-                                                                    mpi.Get_size())
-    states = mpi.allgather((here, fits))
-    if all(h for h, _ in states) and all(f for _, f in states):
-        return
-    if any(h for h, _ in states):
+    mine = (here, _address, dist.get_rank() if here else -1,
+            dist.get_world_size() if here else 0)
+    states = mpi.allgather(mine)
+    if not any(h for h, *_ in states):
+        ensure_default_group(mpi, ifname_var, timeout)
+        states = [(True, _address, r, mpi.Get_size()) for r in range(mpi.Get_size())]
+    elif not all(h for h, *_ in states) or len({(a, n) for _, a, _, n in states}) > 1:
         raise RuntimeError(
-            "torch.distributed is already initialised on some ranks, or with other ranks "
-            "than this MPI job; call torch.distributed.destroy_process_group() on every "
-            "rank, then create the backend again"
-        )
+            "torch.distributed's default group differs between the ranks of this "
+            "communicator (made on some only, or by other ranks): call "
+            "torch.distributed.destroy_process_group() on every rank, then create the backend "
+            "again, first over the whole job if parts of it will follow (the module "
+            "pcourse.runtime.bootstrap says why)")
+    members = [r for _, _, r, _ in states]  # default-group ranks, in mpi's rank order
+    everyone = _default_comm
+    if everyone is None:  # not made here: usable only where it is exactly these ranks
+        if members != list(range(mpi.Get_size())) or states[0][3] != mpi.Get_size():
+            raise RuntimeError(
+                "torch.distributed was initialised outside the course with other ranks than "
+                "this communicator's; call torch.distributed.destroy_process_group() on every "
+                "rank, then create the backend again")
+        everyone = mpi
+    return _swap_parts(everyone, members, timeout)
+
+
+def _swap_parts(everyone: Any, members: list[int], timeout: float) -> tuple[list[list[int]], int]:
+    """Every rank of ``everyone`` (the default group's communicator) says who is in its
+    part; the distinct parts in one order, and the index of this rank's. Each rank's row
+    holds, for default-group rank j, 1 + j's rank in the part (0: not in it)."""
+    import numpy as np
+
+    from pcourse.runtime.waits import wait_request
+
+    global _out_of_step
+    if _out_of_step:
+        raise RuntimeError(f"no torch backend can be made on part of the job here: {_out_of_step}"
+                           "; the ranks are out of step: close every torch backend on every rank "
+                           "(or restart the engines)")
+    size = everyone.Get_size()
+    row = np.zeros(size, dtype=np.int64)
+    row[members] = np.arange(1, len(members) + 1)
+    rows = np.empty((size, size), dtype=np.int64)
+    try:
+        wait_request(everyone.Iallgather(row, rows), timeout,
+                     f"making a torch.distributed group (collective over all {size} ranks of "
+                     "the default group, each passing its own communicator)")
+    except BaseException as exc:
+        _out_of_step = f"a rank did not come to make a group ({exc})"
+        raise
+    parts = sorted({tuple(int(j) for j in np.argsort(r)[np.sort(r) > 0]) for r in rows})
+    if sum(len(p) for p in parts) != len({j for p in parts for j in p}):
+        raise RuntimeError(f"the ranks passed overlapping communicators {parts} (default-group "
+                           "ranks) to one torch backend: each rank passes its own part (Split)")
+    return [list(p) for p in parts], parts.index(tuple(members))
+
+
+def ensure_default_group(mpi: Any, ifname_var: str, timeout: float) -> None:
+    """Initialise torch's default group over ``mpi``'s ranks from the MPI rendezvous.
+
+    Collective over ``mpi``; every rank of it has none (:func:`groups_for` checks).
+    """
+    global _own_default, _address, _default_comm
+    import torch.distributed as dist
+
     store, where = rendezvous(mpi, ifname_var, timeout)
     with binding(where=where):  # the default group may be cpu:gloo,cuda:nccl: both bind
         _everyone(mpi, lambda: dist.init_process_group(
             _default_kind(), store=store, rank=mpi.Get_rank(), world_size=mpi.Get_size(),
             timeout=timedelta(seconds=timeout)))
-    _own_default, _address = True, where
+    _own_default, _address, _default_comm = True, where, mpi.Dup()
 
 
 def rendezvous(mpi: Any, ifname_var: str, timeout: float) -> tuple[Any, str]:

@@ -123,11 +123,12 @@ def check_bad_input(b: Backend) -> None:
 def check_keywords(name: str) -> None:
     """Every backend takes comm, device and timeout; a bad device is refused alike."""
     half = WORLD.Split(RANK % 2, RANK)  # a sub-communicator: the backend must use it
-    b = make_backend(name, comm=half if name != "gloo" else WORLD, device="cpu", timeout=60.0)
-    x = torch.ones(2)
+    b = make_backend(name, comm=half, device="cpu", timeout=60.0)
+    x = torch.full((2,), float(RANK))
     b.allreduce(x)
-    want = half.Get_size() if name != "gloo" else SIZE
+    want = half.allreduce(RANK)
     expect(torch.equal(x, torch.full((2,), float(want))), f"{name}: keywords comm, device")
+    expect((b.rank, b.size) == (half.rank, half.size), f"{name}: rank and size of comm")
     b.close()
     half.Free()
     if name == "gloo":

@@ -5,7 +5,8 @@ From scratch: :func:`ring_reduce_scatter` against ``Reduce_scatter`` (chunk coun
 :func:`ring_allgather` against ``Allgatherv``, for lengths that do and do not divide by
 p (and shorter than p), every op, float and int dtypes; then reduce-scatter followed by
 allgather equals MPI's ``Allreduce``. Backends: ``reduce_scatter`` / ``all_gather`` of
-mpi, mpi-pickle and gloo against the same references, ``avg`` included, and a length
+mpi, mpi-pickle and gloo against the same references, ``avg`` included (16-bit 40000s,
+whose sum overflows float16, average without overflowing), and a length
 mismatch is the same MismatchError on every rank. Prints "reduce-scatter OK on p ranks".
 """
 
@@ -104,6 +105,18 @@ def backends() -> None:
                     want = np.empty(n, dtype=x.numpy().dtype)
                     COMM.Allgather(mine.numpy(), want)
                     assert np.array_equal(full.numpy(), want), (name, n, dtype, "gather")
+            # 16 bits: every rank 40000, whose sum overflows float16 (65504) but whose
+            # average does not: avg divides first, as allreduce does; the gather is exact
+            for dtype in (torch.float16, torch.bfloat16):
+                x = torch.full((2 * P,), 40000.0, dtype=dtype)
+                out = torch.empty(2, dtype=dtype)
+                b.reduce_scatter(out, x, "avg")
+                assert bool(torch.isfinite(out).all()) and abs(out[0].item() - 40000) <= 400, \
+                    (name, dtype, out.tolist(), "avg summed before it divided")
+                assert torch.equal(x, torch.full_like(x, 40000.0)), (name, dtype, "input changed")
+                full = torch.empty(2 * P, dtype=dtype)
+                b.all_gather(full, x[:2])
+                assert torch.equal(full, x), (name, dtype, full.tolist())
             # bfloat16 moves and reduces too (staged where the library lacks it)
             mine = torch.full((3,), RANK + 1, dtype=torch.bfloat16)
             full = torch.empty(3 * P, dtype=torch.bfloat16)
