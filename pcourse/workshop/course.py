@@ -29,6 +29,7 @@ EXERCISE_AFTER = {
     "06_bucketed_allreduce": "07",
     "07_parameter_averaging": "08",
     "08_sharded_optimizer": "10",
+    "09_tensor_parallel": "11",
 }
 
 
