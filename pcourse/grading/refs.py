@@ -620,8 +620,23 @@ def fg_problem(got: dict, want: dict, tp: int, size: int) -> str | None:
                 return (f"{what} is the sum over all {size} ranks, not over this rank's group "
                         f"of {tp}: reduce over the group you are given, never the world")
             if problem:
+                other, why = _fg_mixups(want)[name, way]
+                if tensors_differ([mine], [other], rtol=1e-12, atol=1e-12) is None:
+                    return f"{problem}: {why}"
                 return problem
     return None
+
+
+def _fg_mixups(want: dict) -> dict:
+    """What each of f's and g's directions gives when it does the other's job, and why not."""
+    return {("f", "forward"): (want["g"]["forward"], "it is the sum over the group; going "
+                               "forward f is the identity (the sum is g's)"),
+            ("f", "backward"): (want["g"]["backward"], "it is this rank's own gradient only; "
+                                "going backward f sums the gradients over the group"),
+            ("g", "forward"): (want["f"]["forward"], "it is this rank's own input only; going "
+                               "forward g sums over the group"),
+            ("g", "backward"): (want["f"]["backward"], "it is the sum over the group; going "
+                                "backward g is the identity (the sum is f's)")}
 
 
 def tp_mlp_trial(column_block: Callable, row_block: Callable, column_linear: Callable,

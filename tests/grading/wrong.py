@@ -656,18 +656,18 @@ WRONG: dict[str, dict[str, Wrong]] = {
         # row_block, column_parallel_linear, row_parallel_linear
         "f's backward allreduce forgotten": Wrong("point", [
             RIGHT, "return grad, None", RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, RIGHT],
-            "f's backward"),
+            "this rank's own gradient only"),
         "f sums in both directions": Wrong("point", [
             """
             ctx.group = group
             return group.allreduce(x.clone(), "sum")""", RIGHT, RIGHT, RIGHT, RIGHT, RIGHT,
-            RIGHT, RIGHT], "f's forward"),
+            RIGHT, RIGHT], "going forward f is the identity"),
         "g sums in both directions": Wrong("point", [
             RIGHT, RIGHT, """
             ctx.group = group
             return group.allreduce(x.clone(), "sum")""",
             'return ctx.group.allreduce(grad.clone(), "sum"), None', RIGHT, RIGHT, RIGHT, RIGHT],
-            "g's backward"),
+            "going backward g is the identity"),
         "g averages instead of summing": Wrong("point", [
             RIGHT, RIGHT, 'return group.allreduce(x.clone(), "avg")', RIGHT, RIGHT, RIGHT, RIGHT,
             RIGHT], "0.5 times"),
@@ -735,7 +735,7 @@ WRONG: dict[str, dict[str, Wrong]] = {
         "f's backward forgotten, saved with PASS": Wrong("saved", [
             RIGHT, "return grad, None", RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, RIGHT],
             "f's backward", saved("PASS")),
-        "tensors compared by a learner's own rule": Wrong(
+        "per_rank rebound in the learner's cell": Wrong(
             "tampered", [RIGHT] * 8, "rebinds `per_rank`",
             learner_adds("def per_rank(results, test):\n    return None")),
     },
