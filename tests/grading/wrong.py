@@ -651,6 +651,94 @@ WRONG: dict[str, dict[str, Wrong]] = {
         "the last check cell deleted": Wrong("tampered", [RIGHT, UNSOLVED], "removed",
                                              drop_check(2)),
     },
+    "09_tensor_parallel": {
+        # regions: f's forward, f's backward, g's forward, g's backward, column_block,
+        # row_block, column_parallel_linear, row_parallel_linear
+        "f's backward allreduce forgotten": Wrong("point", [
+            RIGHT, "return grad, None", RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, RIGHT],
+            "this rank's own gradient only"),
+        "f sums in both directions": Wrong("point", [
+            """
+            ctx.group = group
+            return group.allreduce(x.clone(), "sum")""", RIGHT, RIGHT, RIGHT, RIGHT, RIGHT,
+            RIGHT, RIGHT], "going forward f is the identity"),
+        "g sums in both directions": Wrong("point", [
+            RIGHT, RIGHT, """
+            ctx.group = group
+            return group.allreduce(x.clone(), "sum")""",
+            'return ctx.group.allreduce(grad.clone(), "sum"), None', RIGHT, RIGHT, RIGHT, RIGHT],
+            "going backward g is the identity"),
+        "g averages instead of summing": Wrong("point", [
+            RIGHT, RIGHT, 'return group.allreduce(x.clone(), "avg")', RIGHT, RIGHT, RIGHT, RIGHT,
+            RIGHT], "0.5 times"),
+        "the world instead of the group given": Wrong("point", [
+            RIGHT, """
+            from mpi4py import MPI
+            total = grad.clone()
+            MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, total.numpy(), op=MPI.SUM)
+            return total, None""", """
+            from mpi4py import MPI
+            total = x.clone()
+            MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, total.numpy(), op=MPI.SUM)
+            return total""", RIGHT, RIGHT, RIGHT, RIGHT, RIGHT], "sum over all 4 ranks"),
+        "column-parallel weight split by its input features": Wrong("point", [
+            RIGHT, RIGHT, RIGHT, RIGHT, """
+            n = weight.shape[0] // group.size
+            block = slice(group.rank * n, (group.rank + 1) * n)
+            return weight[:, block], bias[block]""", RIGHT, RIGHT, RIGHT],
+            "column_block's weight has shape"),
+        "row-parallel weight split by its output features": Wrong("point", [
+            RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, """
+            n = weight.shape[1] // group.size
+            return weight[group.rank * n:(group.rank + 1) * n], bias""", RIGHT, RIGHT],
+            "row_block's weight has shape"),
+        "row-parallel bias split too": Wrong("point", [
+            RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, """
+            n = weight.shape[1] // group.size
+            block = slice(group.rank * n, (group.rank + 1) * n)
+            return weight[:, block], bias[block]""", RIGHT, RIGHT], "row_block's bias"),
+        "the bias added on every rank": Wrong("point", [
+            RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, RIGHT,
+            "return g(F.linear(x, weight, bias), group)"], "added 2 times"),
+        "blocks of a hard-coded 2 ranks": Wrong("size", [
+            RIGHT, RIGHT, RIGHT, RIGHT, """
+            n = weight.shape[0] // 2
+            rows = slice(group.rank * n, (group.rank + 1) * n)
+            return weight[rows], bias[rows]""",
+            """
+            n = weight.shape[1] // 2
+            return weight[:, group.rank * n:(group.rank + 1) * n], bias""", RIGHT, RIGHT],
+            "at tp=3"),
+        "right only in the forward: the sum taken outside autograd": Wrong("point", [
+            RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, """
+            total = F.linear(x, weight).detach().clone()
+            group.allreduce(total, "sum")
+            return total + bias"""], "no gradient reached the input x"),
+        "f left out of the column-parallel layer": Wrong("point", [
+            RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, "return F.linear(x, weight, bias)", RIGHT],
+            "this rank's own part only"),
+        "f and g swapped in the layers": Wrong("point", [
+            RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, "return F.linear(g(x, group), weight, bias)",
+            "return f(F.linear(x, weight), group) + bias"], "check 3/5"),
+        "the block taken by the world's rank": Wrong("point", [
+            RIGHT, RIGHT, RIGHT, RIGHT, """
+            from mpi4py import MPI
+            n = weight.shape[0] // group.size
+            r = MPI.COMM_WORLD.rank % group.size
+            return weight[r * n:(r + 1) * n], bias[r * n:(r + 1) * n]""", RIGHT, RIGHT, RIGHT],
+            "check 1/5"),
+        "only the group's rank 0 sums": Wrong("deadlock", [
+            RIGHT, RIGHT, """
+            if group.rank == 0:
+                group.allreduce(x.clone(), "sum")
+            return x.clone()""", RIGHT, RIGHT, RIGHT, RIGHT, RIGHT], "check 2/5"),
+        "f's backward forgotten, saved with PASS": Wrong("saved", [
+            RIGHT, "return grad, None", RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, RIGHT],
+            "f's backward", saved("PASS")),
+        "per_rank rebound in the learner's cell": Wrong(
+            "tampered", [RIGHT] * 8, "rebinds `per_rank`",
+            learner_adds("def per_rank(results, test):\n    return None")),
+    },
 }
 
 KINDS = ("size", "point", "deadlock", "saved", "tampered")
