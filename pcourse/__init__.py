@@ -1,4 +1,4 @@
-"""pcourse: data-parallel training from scratch.
+"""pcourse: parallel training from scratch.
 
 The top level is what the lessons teach, one idea per module, in lesson order (the
 lessons that teach each: the registry, ``course.toml``, lists the same; a test holds
@@ -19,6 +19,10 @@ the two together):
                        ``compression`` (08)
     ``multinode``      hostfiles and launchers for several nodes (09)
     ``sharding``       ZeRO-1, ZeRO-2 and FSDP on reduce-scatter and all-gather (10)
+    ``tensor_parallel`` column- and row-parallel layers, f and g, attention by heads,
+                       sequence parallelism (11)
+    ``mesh``           named dimensions of ranks and a group per dimension (11)
+    ``activations``    what autograd saves for backward, counted (11)
 
 Under both, the runtime layer (``runtime/``): ranks and devices, waits with deadlines
 and interrupts, the check that all ranks called a collective alike (``agree``), where
