@@ -288,7 +288,7 @@ def test_every_pcourse_variable_is_in_the_contributors_table() -> None:
 
 # ---------------------------------------------------------------- layers
 TAUGHT = ("pcourse/*.py", "pcourse/backends/*.py", "pcourse/workloads/*.py",
-          "pcourse/beyond_sgd/*.py")
+          "pcourse/beyond_sgd/*.py", "pcourse/sharding/*.py")
 TOOLING = ("cluster", "bench", "checks", "grading", "workshop", "book")
 
 
