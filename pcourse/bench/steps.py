@@ -188,7 +188,7 @@ def make_step(path: str, wl: Any, batches: list, backends: dict) -> tuple[Step, 
         def after() -> None:
             average_gradients(model, backend, check=False)  # the strategy, not the safety net
     elif kind.startswith("bucketed"):
-        reducer = BucketedAllreduce(model, backend, cap / MiB, overlap=kind.endswith("overlap"))
+        reducer = BucketedAllreduce(model, backend, cap, overlap=kind.endswith("overlap"))
         after, buckets = reducer.finish, (lambda: len(reducer.buckets))
     elif kind == "DDP":
         from torch.nn.parallel import DistributedDataParallel as DDP
