@@ -9,7 +9,9 @@ the two together):
     ``collectives``    tree, ring and recursive-doubling allreduce, and the ring's two
                        halves (reduce-scatter, all-gather), from scratch (03, 10)
     ``backends/``      one allreduce interface (``base``) and the four real backends:
-                       ``mpi`` (mpi4py), ``torch_dist`` (Gloo, NCCL), ``cupy_nccl`` (04)
+                       ``mpi`` (mpi4py), ``torch_dist`` (Gloo, NCCL), ``cupy_nccl``;
+                       ``counting``, a wrapper that counts the bytes sent, and ``groups``,
+                       a torch process group as a backend (04, 10)
     ``loop``           the training loop every lesson and benchmark runs (05)
     ``workloads/``     the source's two workloads: ``franke``, ``mnist`` + ``vae`` (05, 06)
     ``buckets``        flattened, overlapped gradient allreduce, as DDP does (07)
@@ -18,7 +20,8 @@ the two together):
                        gradients: ``weight_averaging``, ``syncbn``, ``hogwild``,
                        ``compression`` (08)
     ``multinode``      hostfiles and launchers for several nodes (09)
-    ``sharding``       ZeRO-1, ZeRO-2 and FSDP on reduce-scatter and all-gather (10)
+    ``sharding/``      ZeRO-1 and ZeRO-2 (``zero``), FSDP (``fsdp``) on reduce-scatter
+                       and all-gather, and what a rank holds (``memory``) (10)
     ``tensor_parallel`` column- and row-parallel layers, f and g, attention by heads,
                        sequence parallelism (11)
     ``mesh``           named dimensions of ranks and a group per dimension (11)

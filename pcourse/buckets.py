@@ -1,9 +1,10 @@
 """What DDP does under the hood: flat gradient buckets, reduced while backward runs.
 
 :class:`BucketedAllreduce` lays the gradients out back to back in a few flat
-buckets (25 MB by default, as DDP) and averages each bucket with one collective;
-with ``overlap`` a hook starts a bucket's allreduce as soon as backward has filled
-it. Lesson 07 explains why both help, and measures them against DDP. Usage::
+buckets (at most ``bucket_cap_bytes`` each: 25 MiB by default, as DDP) and averages
+each bucket with one collective; with ``overlap`` a hook starts a bucket's allreduce
+as soon as backward has filled it. Lesson 07 explains why both help, and measures
+them against DDP. Usage::
 
     reducer = BucketedAllreduce(model, backend)     # once, after freezing layers
     loss.backward()                                 # hooks launch full buckets
@@ -35,6 +36,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from numbers import Integral
 
 import torch
 from torch import nn
@@ -42,6 +44,9 @@ from torch import nn
 from pcourse.backends import Backend, Work
 from pcourse.data_parallel import check_same_model
 
+MiB = 1 << 20
+# DDP's default, bucket_cap_mb=25, which torch reads as MiB (25 * 1024 * 1024 bytes)
+DEFAULT_CAP_BYTES = 25 * MiB
 EVENTS = ("launch", "launched", "wait", "done")  # in this order, once per bucket and step
 EventHook = Callable[[str, int], None]  # (event, bucket index)
 
@@ -86,6 +91,31 @@ def plan_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Par
     return buckets
 
 
+def cap_bytes(bucket_cap_bytes: int = DEFAULT_CAP_BYTES,
+              bucket_cap_mb: float | None = None) -> int:
+    """The bucket cap in bytes, from bytes or, as DDP's ``bucket_cap_mb``, from MiB.
+
+    torch reads ``bucket_cap_mb`` as MiB (25 -> 25 * 2**20 bytes), and so does this;
+    given, it replaces the default in bytes. A float in bytes is refused: it is what
+    a cap in MiB passed where bytes go looks like.
+    """
+    if bucket_cap_mb is not None:
+        if bucket_cap_bytes != DEFAULT_CAP_BYTES:
+            raise ValueError(f"give the bucket cap once: bucket_cap_bytes={bucket_cap_bytes} "
+                             f"or bucket_cap_mb={bucket_cap_mb}, not both")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive (MiB, as DDP's), "
+                             f"got {bucket_cap_mb}")
+        return max(1, int(bucket_cap_mb * MiB))
+    if isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, Integral):
+        raise TypeError(f"bucket_cap_bytes is a whole number of bytes, got "
+                        f"{bucket_cap_bytes!r}; for a cap in MiB, as DDP's, pass "
+                        f"bucket_cap_mb={bucket_cap_bytes!r}")
+    if bucket_cap_bytes <= 0:
+        raise ValueError(f"bucket_cap_bytes must be positive, got {bucket_cap_bytes}")
+    return int(bucket_cap_bytes)
+
+
 def _make_bucket(params: list[nn.Parameter]) -> Bucket:
     sizes = [p.numel() for p in params]
     flat = torch.zeros(sum(sizes) + len(params), dtype=params[0].dtype, device=params[0].device)
@@ -109,26 +139,29 @@ class BucketedAllreduce:
     accumulates straight into the bucket (with ``zero_grad(set_to_none=False)``, no
     copy at all); a gradient that is not the view is copied in once, in the hook,
     while the rest of backward still runs.
+
+    The cap is in bytes (``bucket_cap_bytes``); ``bucket_cap_mb`` says it as DDP
+    does, in MiB (:func:`cap_bytes`).
     """
 
     def __init__(
         self,
         model: nn.Module,
         backend: Backend,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_bytes: int = DEFAULT_CAP_BYTES,
         overlap: bool = True,
         on_event: EventHook | None = None,
         drive_progress: bool = False,
+        *,
+        bucket_cap_mb: float | None = None,
     ) -> None:
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        cap = cap_bytes(bucket_cap_bytes, bucket_cap_mb)
         params = [p for p in model.parameters() if p.requires_grad][::-1]
         check_same_model(params, backend, "model (the parameters that require grad)")
         if not params:
             raise ValueError("the model has no parameter with requires_grad=True to reduce")
         self.backend, self.overlap, self.drive_progress = backend, overlap, drive_progress
         self.on_event: EventHook = on_event or (lambda event, b: None)
-        cap = max(1, int(bucket_cap_mb * 2**20))
         self.buckets = [_make_bucket(group) for group in plan_buckets(params, cap)]
         self._next = 0  # index of the next bucket to launch: launches go in order
         self._syncing = True  # False inside no_sync()

@@ -37,7 +37,7 @@ from pcourse.partition import partition_indices
 from pcourse.runtime.ranks import threads
 from pcourse.utils.progress import Bar
 from pcourse.workloads import Workload, default_config, make_workload
-from pcourse.workloads.config import batch_sizes
+from pcourse.workloads.config import WorkloadConfig, batch_sizes
 
 
 @dataclass
@@ -154,7 +154,8 @@ def _place(backend: Backend | None) -> tuple[int, int, torch.device]:
 
 
 def _fit(wl: Workload, backend: Backend | None, sync: Any, optimizer: tuple[Any, Any],
-         config: Any, local: int, progress: bool) -> tuple[list[float], list[float], int]:
+         config: WorkloadConfig, local: int,
+         progress: bool) -> tuple[list[float], list[float], int]:
     """All epochs; returns (per-epoch losses, per-epoch seconds, steps per epoch)."""
     rank, size, device = _place(backend)
     opt, scheduler = optimizer
@@ -179,7 +180,7 @@ def _fit(wl: Workload, backend: Backend | None, sync: Any, optimizer: tuple[Any,
 def train(
     workload: str | Workload,
     backend: Backend | None = None,
-    config: Any = None,
+    config: WorkloadConfig | None = None,
     *,
     progress: bool = True,
     sync: str = "auto",
@@ -187,8 +188,9 @@ def train(
     """Train ``workload`` ("franke", "mnist" or a :class:`Workload`) data-parallel.
 
     ``backend`` None is the serial, one-process reference. ``config`` is a
-    FrankeConfig / MNISTConfig (default: the workload's full configuration) and
-    must have ``epochs``, ``batch_size``, ``scaling`` and ``seed``. A named workload
+    :data:`~pcourse.workloads.config.WorkloadConfig`, a FrankeConfig or an MNISTConfig
+    (default: the workload's full configuration); a named workload takes its own kind,
+    else a TypeError. Its epochs, batch, seed, scaling and threads drive the loop. A named workload
     is built on the backend's device (the CPU when serial). ``progress`` shows rank
     0's epochs, in a notebook also when it runs on the engines, without leaving an
     output behind (:mod:`pcourse.utils.progress`). ``sync`` chooses how gradients are
@@ -205,7 +207,7 @@ def train(
     if backend is not None:
         broadcast_parameters(wl.model, backend, root=0)
     with (gradient_sync(wl.model, backend, sync) as grad_sync,
-          threads(getattr(config, "threads", None))):
+          threads(config.threads)):
         losses, times, steps = _fit(wl, backend, grad_sync, optimizer, config, local, progress)
     deviation = None
     if backend is not None:

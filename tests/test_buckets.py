@@ -16,7 +16,7 @@ from torch import nn
 
 from pcourse.buckets import BucketedAllreduce
 
-TINY_CAP_MB = 320 / 2**20  # 80 float32s: several buckets for mlp()
+TINY_CAP = 320  # bytes, 80 float32s: several buckets for mlp()
 
 
 def mlp() -> nn.Sequential:
@@ -32,7 +32,7 @@ def test_layout_reverse_order_and_cap(one_rank) -> None:
     model = mlp()
     params = list(model.parameters())
     # cap of 80 floats: [w2 (16) b2 (2)], [b1 (8), w1 (64)] ... each bucket <= cap
-    reducer = BucketedAllreduce(model, one_rank(), bucket_cap_mb=TINY_CAP_MB)
+    reducer = BucketedAllreduce(model, one_rank(), bucket_cap_bytes=TINY_CAP)
     flat_order = [p for b in reducer.buckets for p in b.params]
     assert flat_order == params[::-1]
     for b in reducer.buckets:
@@ -59,7 +59,7 @@ def test_grads_are_bucket_views_and_unused_stays_none(one_rank, overlap: bool) -
     body, extra = mlp(), nn.Linear(2, 2)  # extra: never used, so no gradient anywhere
     model = nn.ModuleDict({"body": body, "extra": extra})
     backend = one_rank()
-    reducer = BucketedAllreduce(model, backend, bucket_cap_mb=TINY_CAP_MB, overlap=overlap)
+    reducer = BucketedAllreduce(model, backend, bucket_cap_bytes=TINY_CAP, overlap=overlap)
     x = torch.randn(5, 4)
     expected = torch.autograd.grad(body(x).square().mean(), list(body.parameters()))
     body(x).square().mean().backward()
@@ -77,7 +77,7 @@ def test_grads_are_bucket_views_and_unused_stays_none(one_rank, overlap: bool) -
 def test_buckets_launch_in_index_order_during_backward(one_rank) -> None:
     model = mlp()
     backend = one_rank()
-    reducer = BucketedAllreduce(model, backend, bucket_cap_mb=TINY_CAP_MB)
+    reducer = BucketedAllreduce(model, backend, bucket_cap_bytes=TINY_CAP)
     model(torch.randn(3, 4)).sum().backward()
     launched_in_backward = sizes(backend.calls)
     reducer.finish()
@@ -88,7 +88,7 @@ def test_buckets_launch_in_index_order_during_backward(one_rank) -> None:
 
 def test_the_model_is_compared_once_and_buckets_skip_the_per_call_check(one_rank) -> None:
     model, backend = mlp(), one_rank()
-    reducer = BucketedAllreduce(model, backend, bucket_cap_mb=TINY_CAP_MB)
+    reducer = BucketedAllreduce(model, backend, bucket_cap_bytes=TINY_CAP)
     for _ in range(3):
         model(torch.randn(3, 4)).sum().backward()
         reducer.finish()
@@ -119,7 +119,7 @@ def test_no_sync_accumulates_like_one_process(one_rank, overlap: bool) -> None:
     for x in batches:
         ref(x).square().mean().backward()
     model, backend = mlp(), one_rank()
-    reducer = BucketedAllreduce(model, backend, bucket_cap_mb=TINY_CAP_MB, overlap=overlap)
+    reducer = BucketedAllreduce(model, backend, bucket_cap_bytes=TINY_CAP, overlap=overlap)
     for step in range(2):  # the second step accumulates into the bucket views
         model.zero_grad(set_to_none=False)
         with reducer.no_sync():
@@ -163,6 +163,26 @@ def test_remove_detaches_hooks(one_rank) -> None:
 def test_bad_cap_is_rejected(one_rank) -> None:
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         BucketedAllreduce(mlp(), one_rank(), bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="bucket_cap_bytes must be positive"):
+        BucketedAllreduce(mlp(), one_rank(), bucket_cap_bytes=0)
+    with pytest.raises(TypeError, match="bucket_cap_mb=0.5"):  # MiB where bytes go
+        BucketedAllreduce(mlp(), one_rank(), 0.5)
+    with pytest.raises(ValueError, match="not both"):
+        BucketedAllreduce(mlp(), one_rank(), bucket_cap_bytes=320, bucket_cap_mb=1)
+
+
+def test_a_cap_in_mib_as_ddps_is_the_same_cap_in_bytes(one_rank) -> None:
+    """``bucket_cap_mb`` is MiB, as torch reads DDP's: 2**-20 MiB is one byte. The caps
+    swept cross every layout change of mlp() (at 288, 360, 392 bytes), where a cap read
+    as 10**6 bytes per MB would fall on the other side."""
+    def layout(**cap: float) -> list[int]:
+        return [len(b.params) for b in BucketedAllreduce(mlp(), one_rank(), **cap).buckets]
+
+    seen = set()
+    for cap in (284, 288, 356, 360, 388, 392):  # each change, and a cap just below it
+        seen.add(tuple(layout(bucket_cap_bytes=cap)))
+        assert layout(bucket_cap_mb=cap / 2**20) == layout(bucket_cap_bytes=cap), cap
+    assert len(seen) > 2
 
 
 # make test-fast runs p = 3, which catches direction and indexing bugs p = 2 hides
@@ -180,7 +200,7 @@ def test_event_hook_sees_every_bucket_in_order(one_rank, overlap: bool) -> None:
     events: list[tuple[str, int, str]] = []
     phase = ["backward"]
     model = mlp()
-    reducer = BucketedAllreduce(model, one_rank(), bucket_cap_mb=TINY_CAP_MB, overlap=overlap,
+    reducer = BucketedAllreduce(model, one_rank(), bucket_cap_bytes=TINY_CAP, overlap=overlap,
                                 on_event=lambda event, b: events.append((event, b, phase[0])))
     n = len(reducer.buckets)
     for _ in range(2):
@@ -218,7 +238,7 @@ def test_drive_progress_tests_the_buckets_in_flight_from_the_hooks(one_rank) -> 
         backend.allreduce_async = (lambda t, op="sum", *, check=True, ids=launched:
                                    Counted(next(ids)))
         model = mlp()
-        reducer = BucketedAllreduce(model, backend, bucket_cap_mb=TINY_CAP_MB,
+        reducer = BucketedAllreduce(model, backend, bucket_cap_bytes=TINY_CAP,
                                     drive_progress=drive)
         model(torch.randn(3, 4)).sum().backward()
         reducer.finish()

@@ -16,9 +16,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from pcourse.grading import gradescope, submission
-from pcourse.grading.grade import Grade, _checks, _judge, grade_class, main
+from pcourse.grading import gradescope, lms, submission
+from pcourse.grading.grade import _checks, _judge, grade_class, main
 from pcourse.grading.runner import Executed
+from pcourse.grading.verdicts import Check, Grade
 
 REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS = REPO / "solutions"
@@ -58,7 +59,7 @@ RUNS = {
 @pytest.mark.parametrize("case", RUNS)
 def test_results_json_counts_exactly_what_the_grader_counts(case):
     g = _judged(RUNS[case])
-    result = gradescope.results(g, NAMES3)
+    result = lms.results(g, NAMES3)
     assert [t["name"] for t in result["tests"]] == NAMES3
     assert result["score"] == g.passed == sum(t["score"] for t in result["tests"])
     assert all(t["max_score"] == 1.0 and t["visibility"] == "visible" for t in result["tests"])
@@ -69,12 +70,12 @@ def test_results_json_counts_exactly_what_the_grader_counts(case):
 
 
 def test_each_test_says_in_plain_words_what_its_check_did():
-    tests = gradescope.results(_judged(RUNS["second fails"]), NAMES3)["tests"]
+    tests = lms.results(_judged(RUNS["second fails"]), NAMES3)["tests"]
     assert [t["status"] for t in tests] == ["passed", "failed", "passed"]
     assert tests[1]["output"].endswith("FAIL: at 3 ranks, rank 1: no")
-    raised = gradescope.results(_judged(RUNS["first raises"]), NAMES3)["tests"]
+    raised = lms.results(_judged(RUNS["first raises"]), NAMES3)["tests"]
     assert "not solved yet" in raised[0]["output"] and raised[1]["status"] == "passed"
-    stopped = gradescope.results(_judged(RUNS["timed out"]), NAMES3)
+    stopped = lms.results(_judged(RUNS["timed out"]), NAMES3)
     assert [t["score"] for t in stopped["tests"]] == [1.0, 0.0, 0.0]
     assert stopped["tests"][2]["output"].startswith("did not run")
     assert "did not finish within 60 s" in stopped["output"]
@@ -84,26 +85,26 @@ def test_a_notebook_not_run_scores_nothing_and_says_why_on_every_test():
     g = Grade(Path("bob/02_average_gradients.ipynb"), "02_average_gradients", total=3,
               status="tampered", learner="bob", passed=0,
               first_failure="a check cell was removed: start again from a fresh copy")
-    g.checks = [gradescope.Check(True, LINE.format(k=k, verdict="PASS")) for k in (1, 2, 3)]
-    result = gradescope.results(g, NAMES3)
+    g.checks = [Check(True, LINE.format(k=k, verdict="PASS")) for k in (1, 2, 3)]
+    result = lms.results(g, NAMES3)
     assert result["score"] == 0
     assert all(t["output"] == g.first_failure for t in result["tests"])
     missing = Grade(None, "03_ring_allreduce", total=3, status="missing", learner="bob",
                     first_failure="missing: no 03_ring_allreduce.ipynb")
-    assert {t["output"] for t in gradescope.results(missing, NAMES3)["tests"]} == {
+    assert {t["output"] for t in lms.results(missing, NAMES3)["tests"]} == {
         missing.first_failure}
 
 
 def test_visibility_is_one_gradescope_knows():
     g = _judged(RUNS["all pass"])
-    assert gradescope.results(g, NAMES3, "after_due_date")["visibility"] == "after_due_date"
+    assert lms.results(g, NAMES3, "after_due_date")["visibility"] == "after_due_date"
     with pytest.raises(ValueError, match="'public'.*visible"):
-        gradescope.results(g, NAMES3, "public")
+        lms.results(g, NAMES3, "public")
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_check_names_come_from_the_solutions_verdicts(name):
-    names = gradescope.check_names(SOLUTIONS / f"{name}.ipynb")
+    names = lms.check_names(SOLUTIONS / f"{name}.ipynb")
     n = _checks(SOLUTIONS / f"{name}.ipynb")
     assert len(names) == n and n > 0
     for k, text in enumerate(names, 1):
@@ -158,7 +159,7 @@ def test_a_graded_class_gets_partial_credit_per_check(tmp_path):
     tg._write(tg._solved(solved), learner / f"{solved}.ipynb")
     tg._write(tg._solved(wrong_name, answer.codes), learner / f"{wrong_name}.ipynb")
     rows = {g.exercise: g for g in grade_class(tmp_path, jobs=1, timeout=180)}
-    gradescope.write_class(list(rows.values()), tmp_path / "out")
+    lms.write_class(list(rows.values()), tmp_path / "out", SOLUTIONS)
 
     def result(name: str) -> dict:
         return json.loads((tmp_path / "out" / "_gradescope" / "ann" / name /

@@ -27,15 +27,14 @@ from pcourse.cluster import launch
 from pcourse.grading import exercises as ex
 from pcourse.grading import runner, submission
 from pcourse.grading.grade import (
-    Grade,
     exercise_of,
     exercises,
-    explain,
     grade_class,
     main,
     table,
     write_gradebook,
 )
+from pcourse.grading.verdicts import Grade, explain
 
 REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS, EXERCISES = REPO / "solutions", REPO / "exercises"

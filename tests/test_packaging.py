@@ -321,6 +321,33 @@ def test_taught_modules_stand_on_the_runtime_layer_never_on_the_tooling():
     assert not {k: v for k, v in bad.items() if v}, "taught code importing the tooling"
 
 
+def test_the_graders_modules_import_one_way():
+    """No circle among pcourse.grading's modules, counting imports inside functions too."""
+    modules = {p.stem: p for p in (REPO / "pcourse" / "grading").glob("*.py")}
+
+    def imported(path: Path) -> set[str]:  # `from pcourse.grading import x` names x too
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "pcourse.grading":
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module.removeprefix("pcourse.grading."))
+        return found & set(modules)
+
+    arrows = {name: imported(path) - {name} for name, path in modules.items()}  # runner: itself
+    done: set[str] = set()
+
+    def walk(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"import circle: {' -> '.join((*path, name))}"
+        if name not in done:
+            for nxt in arrows[name]:
+                walk(nxt, (*path, name))
+            done.add(name)
+
+    for name in modules:
+        walk(name, ())
+
+
 def test_the_runtime_layer_imports_nothing_else_of_the_package():
     runtime = sorted((REPO / "pcourse" / "runtime").glob("*.py"))
     assert {p.stem for p in runtime} >= RUNTIME_MODULES

@@ -95,7 +95,7 @@ def test_one_rank_fsdp_is_the_model(one_rank) -> None:
             opt.zero_grad()
             m(x).square().mean().backward()
             if m is b:
-                m.finish_gradients()
+                m.finish()
             opt.step()
     full = b.full_parameters()
     assert sorted(full) == sorted(n for n, _ in a.named_parameters())
@@ -174,3 +174,18 @@ def test_a_scheduler_steers_the_sharded_optimizer_as_it_does_torchs(one_rank) ->
     state = ours.state_dict()
     assert state["rank"] == 0 and state["local"]["state"]
     ours.load_state_dict(state)
+
+
+def test_a_backend_a_group_or_nothing_and_else_a_clear_error(one_rank, monkeypatch) -> None:
+    """``as_backend``: a Backend as it is; anything else but a group or None is refused."""
+    import torch.distributed as dist
+
+    from pcourse.backends.groups import as_backend
+
+    backend = one_rank()
+    assert as_backend(backend) is backend
+    with pytest.raises(TypeError, match="ProcessGroup or None, got str"):
+        as_backend("gloo")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(ValueError, match="not initialised"):
+        as_backend(None)

@@ -395,3 +395,14 @@ def test_bench_mnist_saves_pictures(tmp_path, monkeypatch):
     names = {p.name for p in tmp_path.iterdir()}
     assert {"mnist_weak.csv", "mnist_reconstructions.png", "mnist_latent_walk.png"} <= names
     assert "mnist_weak.png" not in names  # one rank count: nothing to plot against ranks
+
+
+def test_a_named_workload_takes_its_own_configuration_only():
+    """The loop's config is typed (FrankeConfig | MNISTConfig); the wrong one says so."""
+    from pcourse.workloads import make_workload
+    from pcourse.workloads.config import MNISTConfig
+
+    with pytest.raises(TypeError, match="'franke' takes a FrankeConfig .*got MNISTConfig"):
+        train("franke", None, MNISTConfig.quick(), progress=False)
+    with pytest.raises(TypeError, match="'mnist' takes a MNISTConfig .*got dict"):
+        make_workload("mnist", {"epochs": 1})

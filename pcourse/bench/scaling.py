@@ -46,7 +46,13 @@ from pcourse.bench.flops import print_limits
 from pcourse.bench.jobs import BenchError, Outcome
 from pcourse.runtime.ranks import launcher
 from pcourse.utils.io import NotWritable, check_writable, save, write_csv
-from pcourse.workloads.config import CONFIGS, FrankeConfig, MNISTConfig, batch_sizes
+from pcourse.workloads.config import (
+    CONFIGS,
+    FrankeConfig,
+    MNISTConfig,
+    WorkloadConfig,
+    batch_sizes,
+)
 
 CPU_BACKENDS = ("mpi", "mpi-pickle", "gloo")
 FIELDS = ["workload", "backend", "device", "ranks", "repeat", "scaling", "epochs", "global_batch",
@@ -62,7 +68,7 @@ class ScalingSpec:
     """What to run: one workload and configuration, every backend × rank count, repeated."""
 
     workload: str
-    config: FrankeConfig | MNISTConfig
+    config: WorkloadConfig
     backends: tuple[str, ...] = CPU_BACKENDS
     ranks: tuple[int, ...] = (1, 2)
     repeats: int = 1
@@ -128,7 +134,7 @@ def warm_up(comm: Any, spec: ScalingSpec, backend_name: str, ranks: int) -> None
                                        save_model=None), backend_name, -1)
 
 
-def warm_up_config(config: FrankeConfig | MNISTConfig, ranks: int) -> FrankeConfig | MNISTConfig:
+def warm_up_config(config: WorkloadConfig, ranks: int) -> WorkloadConfig:
     """``config`` cut to one epoch of :data:`WARMUP_STEPS` updates at ``ranks`` ranks."""
     per_update = config.batch_size * (ranks if config.scaling == "weak" else 1)
     n = WARMUP_STEPS * per_update
@@ -189,7 +195,7 @@ def _threads(spec: ScalingSpec) -> int:
     """Torch threads per rank in training: the config's, else the rank's (init_rank's share)."""
     import torch
 
-    return getattr(spec.config, "threads", None) or torch.get_num_threads()
+    return spec.config.threads or torch.get_num_threads()
 
 
 def compute_limit(comm: Any, wl: Any, model: Any, threads: int) -> dict:
@@ -230,7 +236,7 @@ def _save_model(model: Any, path: str) -> None:
 # ---- front door 1: the lesson's engines ------------------------------------------------
 
 
-def run_on(view: Any, workload: str, config: FrankeConfig | MNISTConfig | None = None, *,
+def run_on(view: Any, workload: str, config: WorkloadConfig | None = None, *,
            backends: tuple[str, ...] | list[str] = CPU_BACKENDS,
            ranks: tuple[int, ...] | list[int] | None = None, repeats: int = 1,
            save_model: str | None = None, progress: bool = True,
@@ -402,7 +408,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_config(args: argparse.Namespace) -> FrankeConfig | MNISTConfig:
+def build_config(args: argparse.Namespace) -> WorkloadConfig:
     """The workload's configuration with the command line's overrides applied."""
     config_class = CONFIGS[args.workload]
     config = config_class.quick() if args.quick else config_class()

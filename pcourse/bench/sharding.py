@@ -96,7 +96,7 @@ def build(strategy: str, make_model: Any, backend: Any) -> tuple[Any, Any, Any]:
         return ddp, opt, None
     if strategy == "fsdp":
         fsdp = FullyShardedDataParallel(model, backend, shard=nn.Linear)
-        return fsdp, torch.optim.AdamW(fsdp.parameters(), lr=1e-3), fsdp.finish_gradients
+        return fsdp, torch.optim.AdamW(fsdp.parameters(), lr=1e-3), fsdp.finish
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 

@@ -58,12 +58,13 @@ from typing import Any
 from pcourse.bench import jobs
 from pcourse.runtime.ranks import launcher
 from pcourse.utils.io import NotWritable, check_writable, save, write_csv
+from pcourse.workloads.config import FrankeConfig, MNISTConfig, WorkloadConfig, batch_sizes
 
 FIELDS = ["workload", "ranks", "path", "backend", "bucket_cap", "buckets", "local_batch",
           "params", "median_ms", "p25_ms", "p75_ms", "steps", "ratio_to_ddp",
           "ratio_to_per_param"]
 KiB, MiB = 1 << 10, 1 << 20
-DEFAULT_CAP = 25 * MiB  # DDP's default bucket_cap_mb, and BucketedAllreduce's
+DEFAULT_CAP = 25 * MiB  # bytes: DDP's default bucket_cap_mb=25 (MiB), and BucketedAllreduce's
 FULL_CAPS = (1, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, DEFAULT_CAP)
 QUICK_CAPS = (1, 16 * KiB, MiB, DEFAULT_CAP)
 TARGET = 0.9  # issue 24: ours, at its best cap, at most this times DDP at that cap
@@ -93,8 +94,6 @@ class StepSpec:
                                        caps=(1, DEFAULT_CAP)), **changes)
 
     def check(self, world: int | None = None) -> None:
-        from pcourse.workloads.config import FrankeConfig
-
         if min(self.ranks) < 1 or min(self.steps, self.rounds) < 1 or self.warmup < 0:
             raise jobs.BenchError("--ranks, --steps and --rounds must be at least 1, "
                                   "--warmup at least 0")
@@ -114,11 +113,9 @@ class StepSpec:
 
 # -- the workloads: the course's own, so the step is the training loop's step ----------
 
-def workload_config(name: str) -> Any:
+def workload_config(name: str) -> WorkloadConfig:
     """Franke: the source's global batch of 256, split over the ranks (strong).
     MNIST: the 10,000-image test split, 64 images per rank (weak, as the source's runs)."""
-    from pcourse.workloads.config import FrankeConfig, MNISTConfig
-
     return FrankeConfig() if name == "franke" else MNISTConfig(split="test")
 
 
@@ -188,14 +185,14 @@ def make_step(path: str, wl: Any, batches: list, backends: dict) -> tuple[Step, 
         def after() -> None:
             average_gradients(model, backend, check=False)  # the strategy, not the safety net
     elif kind.startswith("bucketed"):
-        reducer = BucketedAllreduce(model, backend, cap / MiB, overlap=kind.endswith("overlap"))
+        reducer = BucketedAllreduce(model, backend, cap, overlap=kind.endswith("overlap"))
         after, buckets = reducer.finish, (lambda: len(reducer.buckets))
     elif kind == "DDP":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [backend.device.index] if backend.device.type == "cuda" else None
-        net = DDP(model, device_ids=ids, bucket_cap_mb=cap / MiB, gradient_as_bucket_view=True,
-                  process_group=backend.group)
+        net = DDP(model, device_ids=ids, bucket_cap_mb=cap / MiB,  # torch's "mb" is MiB
+                  gradient_as_bucket_view=True, process_group=backend.group)
         buckets = partial(ddp_bucket_count, net)
     opt, _ = wl.make_optimizer(model)
 
@@ -248,7 +245,6 @@ def measure_ranks(comm: Any, spec: StepSpec, progress: jobs.Progress) -> None:
     from pcourse.backends import make_backend
     from pcourse.runtime.ranks import init_rank
     from pcourse.workloads import make_workload
-    from pcourse.workloads.config import batch_sizes
 
     mine = init_rank().device
     # rank 0 decides, so that every rank builds the same paths

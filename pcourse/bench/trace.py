@@ -47,7 +47,8 @@ def record_step(workload: str = "mnist", backend: str = "gloo", cap: int = MiB,
                 overlap: bool = True, steps: int = 4, drive_progress: bool = False) -> dict:
     """On every engine: ``steps`` steps, the last profiled; its events, in ms from its start.
 
-    Collective: every engine must call it with the same arguments.
+    ``cap``: the reducer's bucket cap, in bytes. Collective: every engine must call it
+    with the same arguments.
     """
     import copy
     import tempfile
@@ -84,7 +85,7 @@ def record_step(workload: str = "mnist", backend: str = "gloo", cap: int = MiB,
 
     with make_backend(backend) as be:
         model = copy.deepcopy(wl.model)
-        reducer = BucketedAllreduce(model, be, cap / MiB, overlap=overlap, on_event=on_event,
+        reducer = BucketedAllreduce(model, be, cap, overlap=overlap, on_event=on_event,
                                     drive_progress=drive_progress)
         opt, _ = wl.make_optimizer(model)
 
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pcourse.bench.trace",
                                 description="One rank of a traced MPI step (record_progress).")
     p.add_argument("--workload", choices=("franke", "mnist"), default="mnist")
-    p.add_argument("--cap", type=int, default=MiB)
+    p.add_argument("--cap", type=int, default=MiB, help="the bucket cap, in bytes (default 1 MiB)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--drive-progress", action="store_true")
     args = p.parse_args(argv)

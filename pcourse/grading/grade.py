@@ -42,13 +42,13 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
 
-from pcourse.grading import gradescope, submission
+from pcourse.grading import lms, submission
 from pcourse.grading.runner import HIDE_ENV, Executed, Job, run_jobs
+from pcourse.grading.verdicts import Grade, explain, outcomes
 from pcourse.utils.io import (
     NotWritable,
     check_writable,
@@ -60,32 +60,6 @@ from pcourse.utils.io import (
 
 NOTEBOOK_TIMEOUT = 240.0  # seconds per notebook, kernel start included; a setting, not a measure
 JOBS = max(1, (os.cpu_count() or 2) // 2)  # workers: one per two cores (a kernel, 4 engines)
-
-
-@dataclass
-class Grade:
-    """One notebook's result (or one learner's missing notebook)."""
-
-    path: Path | None
-    exercise: str
-    passed: int = 0  # check cells that printed what the solution printed
-    total: int = 0  # check cells in the exercise
-    first_failure: str | None = None  # None when every check passed
-    status: str = "graded"  # or: missing, renamed, invalid, tampered, syntax, timeout,
-    #                           crashed, error
-    learner: str = ""
-    notes: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    checks: list[gradescope.Check] = field(default_factory=list)  # per check cell, if run
-
-    @property
-    def name(self) -> str:
-        return self.path.stem if self.path else self.exercise
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "graded" and self.first_failure is None \
-            and self.passed == self.total > 0
 
 
 # ---------------------------------------------------------------- which exercise, which file
@@ -246,7 +220,7 @@ def _isolation_notes() -> list[str]:
 def _judge(g: Grade, runnable: submission.Runnable, run: Executed, limit: float) -> None:
     """Fill in a Grade from what running its notebook printed."""
     g.seconds = run.seconds
-    g.checks = gradescope.outcomes(runnable, run)
+    g.checks = outcomes(runnable, run)
     checks = sorted(runnable.checks)
     number = {cell: k + 1 for k, cell in enumerate(checks)}
 
@@ -300,13 +274,6 @@ def _problem(run: Executed, cell: int, expected: str | None) -> str | None:
     if fail:
         return explain(fail.split(": FAIL: ", 1)[1])
     return f"printed {got.splitlines()[0] if got else 'nothing'!r}, expected {expected.strip()!r}"
-
-
-def explain(text: str) -> str:
-    """A failure in plain words; an unsolved exercise says so."""
-    if "NotImplementedError" in text:
-        return "not solved yet (NotImplementedError): fill in the cells marked YOUR CODE HERE"
-    return text.strip().splitlines()[0] if text.strip() else "failed"
 
 
 # ---------------------------------------------------------------- a class
@@ -493,10 +460,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--class {args.folder}: no learner folders in it")
         print(table(rows))
         long, wide = write_gradebook(rows, args.out or args.folder)
-        lms = gradescope.write_class(rows, args.out or args.folder, solutions)
+        lms_out = lms.write_class(rows, args.out or args.folder, solutions)
         log.done()
         print(f"\n{len(rows)} notebooks graded in {time.monotonic() - start:.0f} s; "
-              f"wrote {long} and {wide}; Gradescope results and feedback under {lms}")
+              f"wrote {long} and {wide}; Gradescope results and feedback under {lms_out}")
         return 1 if any(g.status == "error" for g in rows) else 0
     notebooks = args.notebooks or sorted((course / "exercises").glob("*.ipynb"))
     missing = [str(p) for p in notebooks if not Path(p).is_file()]

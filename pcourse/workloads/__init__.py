@@ -12,14 +12,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from pcourse.workloads.config import CONFIGS
+from pcourse.workloads.config import CONFIGS, WorkloadConfig, check_config
 
 if TYPE_CHECKING:
     import torch
 
     from pcourse.workloads.base import Workload
 
-__all__ = ["WORKLOADS", "Workload", "default_config", "make_workload"]
+__all__ = ["WORKLOADS", "Workload", "WorkloadConfig", "default_config", "make_workload"]
 
 # name -> module; imported on demand, so naming one workload never loads the other's data.
 WORKLOADS = {"franke": "pcourse.workloads.franke", "mnist": "pcourse.workloads.vae"}
@@ -33,14 +33,18 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'pcourse.workloads' has no attribute {name!r}")
 
 
-def default_config(name: str | Workload) -> Any:
+def default_config(name: str | Workload) -> WorkloadConfig:
+    """The named workload's full configuration (the source's)."""
     if not isinstance(name, str):
         raise ValueError("pass a config (epochs, batch_size, scaling, seed) with a Workload")
     return CONFIGS[_known(name)]()
 
 
-def make_workload(name: str, config: Any, device: torch.device | str = "cpu") -> Workload:
-    """Build the named workload ("franke" or "mnist") for ``config`` on ``device``."""
+def make_workload(name: str, config: WorkloadConfig,
+                  device: torch.device | str = "cpu") -> Workload:
+    """Build the named workload ("franke" or "mnist") for ``config`` (its own kind of
+    configuration, else a TypeError) on ``device``."""
+    check_config(_known(name), config)
     return _module(name).make_workload(config, str(device))
 
 

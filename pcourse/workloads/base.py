@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pcourse.workloads.config import WorkloadConfig
+
 LossSum = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]  # (model, indices, epoch)
 MakeOptimizer = Callable[[nn.Module], tuple[torch.optim.Optimizer, Any]]
 
@@ -35,7 +37,7 @@ class Workload:
         return next(self.model.parameters()).device
 
 
-def source_adam(net: nn.Module, cfg: Any) -> tuple[torch.optim.Optimizer, Any]:
+def source_adam(net: nn.Module, cfg: WorkloadConfig) -> tuple[torch.optim.Optimizer, Any]:
     """The source's optimiser for both workloads: Adam with ``cfg.lr`` and
     ``cfg.weight_decay``, the rate decayed by ``cfg.gamma`` every epoch.
 

@@ -94,7 +94,17 @@ class MNISTConfig:
         return dataclasses.replace(base, **changes)
 
 
-CONFIGS = {"franke": FrankeConfig, "mnist": MNISTConfig}
+# What the training loop takes: one workload's configuration, frozen, every field typed.
+WorkloadConfig = FrankeConfig | MNISTConfig
+CONFIGS: dict[str, type[WorkloadConfig]] = {"franke": FrankeConfig, "mnist": MNISTConfig}
+
+
+def check_config(name: str, config: object) -> None:
+    """A clear error where ``config`` is not the named workload's configuration."""
+    want = CONFIGS[name]
+    if not isinstance(config, want):
+        raise TypeError(f"workload {name!r} takes a {want.__name__} (e.g. "
+                        f"{want.__name__}.quick()), got {type(config).__name__}")
 
 
 def batch_sizes(scaling: str, batch_size: int, size: int, n_train: int) -> tuple[int, int]:

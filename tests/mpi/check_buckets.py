@@ -37,7 +37,8 @@ from pcourse.buckets import BucketedAllreduce
 from pcourse.runtime.ranks import init_rank
 
 STEPS, SHARD = 4, 6
-TINY_CAP_MB = 300 * 8 / 2**20  # 300 float64s: several buckets for every model here
+TINY_CAP = 300 * 8  # bytes, 300 float64s: several buckets for every model here
+DDP_CAP = 25 * 2**20  # bytes, DDP's default
 world = MPI.COMM_WORLD
 
 
@@ -141,9 +142,9 @@ def ddp(model: nn.Module):
     return net, lambda: None, net.no_sync
 
 
-def bucketed(backend: Backend, overlap: bool, cap: float, seen: list[int], drive: bool = False):
+def bucketed(backend: Backend, overlap: bool, cap: int, seen: list[int], drive: bool = False):
     def wrap(model: nn.Module):
-        reducer = BucketedAllreduce(model, backend, bucket_cap_mb=cap, overlap=overlap,
+        reducer = BucketedAllreduce(model, backend, bucket_cap_bytes=cap, overlap=overlap,
                                     drive_progress=drive)
         seen.append(len(reducer.buckets))
         return model, reducer.finish, reducer.no_sync
@@ -164,14 +165,14 @@ def check(backends: dict[str, Backend]) -> list[str]:
         compare(parallel(name, ddp), ref, f"{name} DDP vs reference", failures)
         for bname, backend in backends.items():
             for overlap in (True, False):
-                for cap in (25.0, TINY_CAP_MB):
+                for cap in (DDP_CAP, TINY_CAP):
                     seen: list[int] = []
                     got = parallel(name, bucketed(backend, overlap, cap, seen))
-                    what = f"{name} {bname} overlap={overlap} cap={cap:.4g}MB"
+                    what = f"{name} {bname} overlap={overlap} cap={cap} bytes"
                     compare(got, ref, what + " vs reference", failures)
-                    if cap < 1 and seen[0] < 2:
+                    if cap == TINY_CAP and seen[0] < 2:
                         failures.append(f"{what}: expected several buckets, got {seen[0]}")
-            got = parallel(name, bucketed(backend, True, TINY_CAP_MB, [], drive=True))
+            got = parallel(name, bucketed(backend, True, TINY_CAP, [], drive=True))
             compare(got, ref, f"{name} {bname} requests tested in the hooks", failures)
     for name in ("mlp", "branchy"):  # gradient accumulation
         ref = reference(name, micros=2)
@@ -182,7 +183,7 @@ def check(backends: dict[str, Backend]) -> list[str]:
         compare(parallel(name, ddp, micros=2), ref, f"{name} DDP no_sync", failures)
         for bname, backend in backends.items():
             for overlap in (True, False):
-                got = parallel(name, bucketed(backend, overlap, TINY_CAP_MB, []), micros=2)
+                got = parallel(name, bucketed(backend, overlap, TINY_CAP, []), micros=2)
                 compare(got, ref, f"{name} {bname} overlap={overlap} no_sync", failures)
     return failures
 

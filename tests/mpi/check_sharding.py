@@ -20,12 +20,8 @@ from mpi4py import MPI
 from torch import nn
 
 from pcourse.backends import make_backend
-from pcourse.sharding import (
-    CountingBackend,
-    FullyShardedDataParallel,
-    ShardedOptimizer,
-    state_bytes,
-)
+from pcourse.backends.counting import CountingBackend
+from pcourse.sharding import FullyShardedDataParallel, ShardedOptimizer, state_bytes
 
 COMM = MPI.COMM_WORLD
 P, RANK = COMM.size, COMM.rank
@@ -108,7 +104,7 @@ def fsdp(opt_name: str, backend, compute_dtype=None) -> dict[str, torch.Tensor]:
     for x, y in batches():
         opt.zero_grad()
         nn.functional.cross_entropy(model(mine(x)), mine(y)).backward()
-        model.finish_gradients()
+        model.finish()
         opt.step()
     return model.full_parameters()
 
@@ -131,7 +127,7 @@ def wire(backend) -> None:
             opt.zero_grad()
             nn.functional.cross_entropy(model(mine(x)), mine(y)).backward()
             if kind == "fsdp":
-                model.finish_gradients()
+                model.finish()
             opt.step()
         padded = -(-psi // P) * P
         want = factor * (P - 1) / P * padded * 8

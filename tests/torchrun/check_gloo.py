@@ -28,7 +28,7 @@ from pcourse.backends import Backend, MismatchError, make_backend
 from pcourse.buckets import BucketedAllreduce
 
 STEPS, MICRO, SHARD = 3, 2, 4
-TINY_CAP_MB = 200 * 8 / 2**20  # 200 float64s: several buckets
+TINY_CAP = 200 * 8  # bytes, 200 float64s: several buckets
 
 
 def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -61,7 +61,7 @@ def one_process(size: int, micros: range) -> nn.Module:
 def accumulated(backend: Backend) -> nn.Module:
     """MICRO backwards per step, all but the last inside no_sync(), then one finish()."""
     model, opt = model_and_optimizer()
-    reducer = BucketedAllreduce(model, backend, bucket_cap_mb=TINY_CAP_MB)
+    reducer = BucketedAllreduce(model, backend, bucket_cap_bytes=TINY_CAP)
     for step in range(STEPS):
         for micro in range(MICRO):
             quiet = reducer.no_sync() if micro < MICRO - 1 else contextlib.nullcontext()

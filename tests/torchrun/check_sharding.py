@@ -58,7 +58,7 @@ def main() -> None:
           rank, size)
     fsdp = FullyShardedDataParallel(model(), dist.group.WORLD, shard=nn.Linear)
     train(fsdp, torch.optim.AdamW(fsdp.parameters(), lr=0.05), rank, size,
-          fsdp.finish_gradients)
+          fsdp.finish)
     for what, got in (("ZeRO-2", dict(zero.named_parameters())),
                       ("FSDP", fsdp.full_parameters())):
         for n, p in want.items():

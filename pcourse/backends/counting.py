@@ -1,0 +1,90 @@
+"""A backend that counts the bytes each rank sends: lesson 10's wire, measured.
+
+:class:`CountingBackend` wraps any backend and passes every collective on
+unchanged; on the way it adds what a ring implementation of that collective sends
+from this rank, by collective. The ring's figures are lesson 03's, read from
+:func:`pcourse.collectives.cost_terms` (an allreduce: 2(p-1)/p of its bytes) and
+:func:`pcourse.collectives.half_cost_terms` (a reduce-scatter or an all-gather, one
+half each: (p-1)/p), never derived again here. Lesson 10 counts ZeRO's and FSDP's
+messages with it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pcourse.backends.base import Backend
+from pcourse.collectives import cost_terms, half_cost_terms
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+__all__ = ["CountingBackend"]
+
+
+class CountingBackend(Backend):
+    """A backend that counts the bytes each rank sends through the backend it wraps.
+
+    Every collective is passed on unchanged; what a ring implementation of it sends
+    from this rank is added to ``sent`` (bytes, by collective) and ``calls``: an
+    allreduce of N bytes 2(p-1)/p·N, a reduce-scatter of an N-byte input (p-1)/p·N,
+    an all-gather into an N-byte output (p-1)/p·N, a broadcast N (the most any rank
+    sends down a chain). The agreement checks run inside the wrapped backend and
+    are not counted. ``close()`` leaves the wrapped backend open: it is the caller's.
+    """
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.name, self.rank, self.size = inner.name, inner.rank, inner.size
+        self.device, self.any_device, self.timeout = inner.device, inner.any_device, inner.timeout
+        self.needs_gpu = inner.needs_gpu
+        self.sent: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def _count(self, kind: str, nbytes: float) -> None:
+        self.sent[kind] = self.sent.get(kind, 0.0) + nbytes
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+
+    def total(self) -> float:
+        """Bytes this rank sent since the last :meth:`reset`, every collective together."""
+        return float(sum(self.sent.values()))
+
+    def reset(self) -> None:
+        self.sent, self.calls = {}, {}
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", *,
+                  check: bool = True) -> torch.Tensor:
+        _, volume = cost_terms("ring", self.size)
+        self._count("allreduce", volume * _nbytes(tensor))
+        return self.inner.allreduce(tensor, op, check=check)
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, *,
+                  check: bool = True) -> torch.Tensor:
+        self._count("broadcast", (self.size > 1) * _nbytes(tensor))
+        return self.inner.broadcast(tensor, root, check=check)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
+                       check: bool = True) -> torch.Tensor:
+        _, volume = half_cost_terms(self.size)
+        self._count("reduce_scatter", volume * _nbytes(input))
+        return self.inner.reduce_scatter(output, input, op, check=check)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
+                   check: bool = True) -> torch.Tensor:
+        _, volume = half_cost_terms(self.size)
+        self._count("all_gather", volume * _nbytes(output))
+        return self.inner.all_gather(output, input, check=check)
+
+    def max_over_ranks(self, v: np.ndarray) -> np.ndarray:
+        return self.inner.max_over_ranks(v)  # an agreement check: not the workload's bytes
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+
+    def close(self) -> None:
+        return None  # the wrapped backend belongs to the caller
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
