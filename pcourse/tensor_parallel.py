@@ -307,7 +307,7 @@ def tensor_parallel_copy(model: nn.Module, group: Backend, sequence_parallel: bo
     from pcourse.workloads.transformer import Block
 
     model = copy.deepcopy(model)
-    for name, child in list(model.named_modules()):
+    for child in list(model.modules()):
         for attr, sub in list(child.named_children()):
             if isinstance(sub, Block):
                 setattr(child, attr, ParallelBlock(sub, group, sequence_parallel))
