@@ -51,6 +51,21 @@ def block_of(n: int, group: Backend, what: str) -> slice:
     return slice(group.rank * step, (group.rank + 1) * step)
 
 
+def local_block(whole: torch.Tensor, part: torch.Tensor, group: Backend) -> torch.Tensor:
+    """The block of ``whole`` (a one-process tensor) that this rank's ``part`` holds.
+
+    Along the one dimension where their shapes differ (a split weight's rows or
+    columns); ``whole`` itself where they agree (a replicated tensor). For comparing a
+    split model with one process, block by block.
+    """
+    differ = [d for d in range(whole.dim()) if whole.shape[d] != part.shape[d]]
+    if not differ:
+        return whole
+    (dim,) = differ
+    n = part.shape[dim]
+    return whole.narrow(dim, group.rank * n, n)
+
+
 # ------------------------------------------------------------- the two operators
 class _CopyToGroup(torch.autograd.Function):
     """f: identity forward, allreduce (sum) backward."""
@@ -279,3 +294,21 @@ class ParallelBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
+
+
+def tensor_parallel_copy(model: nn.Module, group: Backend, sequence_parallel: bool = False
+                         ) -> nn.Module:
+    """A copy of ``model`` whose transformer blocks are split over ``group``.
+
+    Everything else (embeddings, the final norm and head) stays whole on every rank;
+    without sequence parallelism their gradients come out the same on every rank, since
+    every block hands back the whole gradient of its input (``f``'s allreduce).
+    """
+    from pcourse.workloads.transformer import Block
+
+    model = copy.deepcopy(model)
+    for child in list(model.modules()):
+        for attr, sub in list(child.named_children()):
+            if isinstance(sub, Block):
+                setattr(child, attr, ParallelBlock(sub, group, sequence_parallel))
+    return model

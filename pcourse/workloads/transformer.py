@@ -61,3 +61,39 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    """Token and position embeddings, ``layers`` blocks, a norm and a head: logits for
+    the next token at every position of ``[T, B]`` token ids."""
+
+    def __init__(self, vocab: int = 16, d: int = 48, n_heads: int = 12, hidden: int = 96,
+                 layers: int = 2, max_len: int = 64) -> None:
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
+        self.blocks = nn.ModuleList(Block(d, n_heads, hidden) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[0], device=tokens.device)
+        x = self.embed(tokens) + self.pos(positions)[:, None, :]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def copy_task(batch: int, length: int, vocab: int = 16, seed: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens ``[T, B]``, and the target at each position: the token before it.
+
+    A task only attention can learn (a token must look back one place), made here, in
+    a blink, with no download."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (length, batch), generator=gen)
+    return tokens, torch.cat([tokens[:1], tokens[:-1]])
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the next-token logits over every position of the batch."""
+    logits = model(tokens)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
