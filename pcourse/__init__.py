@@ -13,7 +13,8 @@ the two together):
                        ``counting``, a wrapper that counts the bytes sent, and ``groups``,
                        a torch process group as a backend (04, 10)
     ``loop``           the training loop every lesson and benchmark runs (05)
-    ``workloads/``     the source's two workloads: ``franke``, ``mnist`` + ``vae`` (05, 06)
+    ``workloads/``     the source's two workloads: ``franke``, ``mnist`` + ``vae``; and
+                       ``transformer``, a small causal transformer to split (05, 06, 11)
     ``buckets``        flattened, overlapped gradient allreduce, as DDP does (07)
     ``step_model``     a model of one overlapped step, and the bucket cap it picks (07)
     ``beyond_sgd/``    weight averaging, synchronised BatchNorm, Hogwild, compressed

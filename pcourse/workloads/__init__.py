@@ -1,8 +1,10 @@
 """The source's two workloads, ready for the training loop (lessons 05 and 06).
 
 ``franke``: a small regression net on Franke's function; ``mnist``: a fully
-connected variational auto-encoder on MNIST. :func:`make_workload` builds either
-by name; :class:`~pcourse.workloads.base.Workload` is what the loop needs of one.
+connected variational auto-encoder on MNIST. ``transformer``: a small causal
+transformer and a task made on the spot, the model lesson 11 splits (not a
+workload of the loop's). :func:`make_workload` builds either of the first two by
+name; :class:`~pcourse.workloads.base.Workload` is what the loop needs of one.
 Their configurations (:mod:`pcourse.workloads.config`) are plain data: importing
 this package or a configuration loads no torch, so a launcher stays light.
 """
