@@ -39,7 +39,8 @@ os.environ[SESSION_MARK] = uuid.uuid4().hex
 
 _CLUSTER_MARKERS = ("ipyparallel.engine", "ipyparallel.controller", "ipengine", "ipcontroller",
                     "pcourse.runtime.reaping",
-                    "mpiexec", "hydra_pmi_proxy")
+                    "mpiexec", "hydra_pmi_proxy",  # MPICH's launcher and proxy
+                    "prterun", "prted", "orted")  # Open MPI's (5: PRRTE; 4: ORTE)
 
 
 # ---------------------------------------------------------------- the fake backend

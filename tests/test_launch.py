@@ -205,3 +205,54 @@ def test_a_rank_wrapper_passes_on_exit_codes_and_signals(tmp_path: Path) -> None
     assert result.returncode == 5, result.stdout
     assert sorted(result.stdout.split("\n"))[-3:] == ["rank 0", "rank 1", "rank 2"]
     assert "pcourse-rank-exited" not in result.stdout
+
+
+# ---------------------------------------------------------------- MPICH and Open MPI
+
+def _fake_mpiexec(folder: Path, says: str) -> str:
+    path = folder / "mpiexec"
+    path.write_text(f"#!/bin/sh\necho '{says}'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_mpiexec_here_is_named_by_the_library_mpi4py_loads() -> None:
+    """mpi_flavour reads mpiexec; mpi4py's library, asked without starting MPI, agrees."""
+    from pcourse.cluster import launch
+
+    library = subprocess.run(
+        [sys.executable, "-c", "import mpi4py; mpi4py.rc.initialize = False\n"
+         "from mpi4py import MPI; print(MPI.Get_library_version())"],
+        capture_output=True, text=True, timeout=60, check=True).stdout
+    expected = "openmpi" if "Open MPI" in library else "mpich" if "MPICH" in library else "other"
+    assert launch.mpi_flavour() == expected, library
+
+
+@pytest.mark.parametrize("says, flavour", [
+    ("mpiexec (Open MPI) 5.0.11", "openmpi"), ("mpiexec (OpenRTE) 4.1.8", "openmpi"),
+    ("HYDRA build details:\n    Version: 4.2.0", "mpich"),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10", "other")])
+def test_each_mpi_speaks_its_own_dialect(tmp_path: Path, monkeypatch, says, flavour) -> None:
+    from pcourse.bench import mpich, trace
+    from pcourse.cluster import launch
+
+    mpiexec = _fake_mpiexec(tmp_path, says)
+    monkeypatch.setattr(launch, "find_mpiexec", lambda: mpiexec)
+    assert launch.mpi_flavour() == flavour
+    there = launch.mpi_launcher(tmp_path / "hosts")
+    here = launch.mpi_launcher()
+    if flavour == "openmpi":  # --hostfile; root and more ranks than cores allowed
+        assert there.command == [mpiexec, "--hostfile", str(tmp_path / "hosts")]
+        assert launch.OPENMPI_ENV.items() <= here.env.items()
+        assert (os.geteuid() == 0) == (launch.OPENMPI_ROOT_ENV.items() <= here.env.items())
+    else:
+        assert there.command == [mpiexec, "-f", str(tmp_path / "hosts")]
+        assert not set(launch.OPENMPI_ENV) & set(here.env)
+    # MPICH's own settings say so, clearly, under any other MPI, before anything runs
+    why = mpich.unavailable()
+    assert (why == "") == (flavour == "mpich")
+    if flavour != "mpich":
+        assert "MPICH's own" in why and mpiexec in why
+        assert mpich.main(["--ranks", "2"]) == 2
+        with pytest.raises(launch.MPICHOnly, match="MPIR_CVAR_ASYNC_PROGRESS"):
+            trace.record_progress(2)
