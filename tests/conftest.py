@@ -126,6 +126,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_gpu)
 
 
+def launcher_listeners() -> set[str]:
+    """Processes allowed to listen beyond loopback on one machine: none under MPICH; under
+    Open MPI its launcher, whose PRRTE out-of-band network refuses loopback alone
+    (:func:`pcourse.cluster.launch.loopback_env`). The ranks stay on loopback under both."""
+    from pcourse.cluster.launch import mpi_flavour
+
+    return {"prterun", "prted"} if mpi_flavour() == "openmpi" else set()
+
+
 # ---------------------------------------------------------------- leak guard
 def cluster_processes() -> dict[int, str]:
     """pid -> command line of every engine, controller and MPI launcher this session started."""

@@ -128,7 +128,11 @@ def loopback_env() -> dict[str, str]:
     """Environment that keeps MPI's own network traffic on the loopback interface.
 
     MPICH's UCX netmod (the pip wheel's default) and Open MPI otherwise open TCP
-    listeners on every interface, the machine's external address included.
+    listeners on every interface, the machine's external address included. One thing
+    stays open under Open MPI 5: its launcher's own out-of-band listener (``prterun``),
+    since PRRTE refuses a loopback-only out-of-band network ("No network interfaces
+    were found"); its ranks listen on loopback only. MPICH's single-machine launcher
+    listens nowhere, one reason it is the course's default.
     """
     lo = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
     return {"UCX_NET_DEVICES": lo, "OMPI_MCA_btl_tcp_if_include": lo,
