@@ -358,12 +358,16 @@ def test_an_interrupt_that_cannot_stop_a_rank_says_restart_and_restart_works(mc)
 
 # --- what killed ranks leave in shared memory ----------------------------------------
 
+# MPICH's segments, or Open MPI's shared-memory transport's (pcourse.runtime.reaping)
+SEGMENT = r"/dev/shm/(?:mpich_\w+|sm_segment\.[\w.]+|vader_segment\.[\w.]+)"
+
+
 def _segments(text: str) -> set[Path]:
-    return {Path(p) for p in re.findall(r"/dev/shm/mpich_\w+", text)}
+    return {Path(p) for p in re.findall(SEGMENT, text)}
 
 
 def _segments_of(pids: list[int]) -> set[Path]:
-    """The MPICH shared-memory segments these processes have mapped."""
+    """The MPI shared-memory segments these processes have mapped."""
     return set().union(*(_segments(Path(f"/proc/{pid}/maps").read_text()) for pid in pids))
 
 
@@ -375,7 +379,7 @@ def test_a_stopped_cluster_leaves_no_mpi_shared_memory_and_a_live_one_keeps_its_
     mc = start_cluster(2)
     try:
         segments = _segments_of(mc.view.apply_sync(os.getpid))
-        assert segments, "the engines have no MPICH segment mapped: nothing to test"
+        assert segments, "the engines have no MPI segment mapped: nothing to test"
         time.sleep(1.1)  # older than a segment a starting job is about to map
         sweep_mpi_segments(min_age=0)
         assert all(p.exists() for p in segments), "a live cluster's segment was deleted"
@@ -389,10 +393,10 @@ KILLED_RANKS = """
 import os, pathlib, re, signal
 from mpi4py import MPI
 MPI.COMM_WORLD.Barrier()
-print(*re.findall(r"/dev/shm/mpich_\\w+", pathlib.Path("/proc/self/maps").read_text()), flush=True)
+print(*re.findall(r"@SEGMENT@", pathlib.Path("/proc/self/maps").read_text()), flush=True)
 MPI.COMM_WORLD.Barrier()
 os.kill(os.getpid(), signal.SIGKILL)
-"""
+""".replace("@SEGMENT@", SEGMENT)
 
 
 @pytest.mark.mpi

@@ -115,6 +115,9 @@ def mpich_only(what: str) -> None:
 OPENMPI_ENV = {"PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
                "OMPI_MCA_rmaps_base_oversubscribe": "1"}
 OPENMPI_ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+# Ranks on one machine need no network: Open MPI's TCP transport listens on every interface
+# whatever btl_tcp_if_include says (seen with 5.0.11), so a job here uses shared memory only.
+OPENMPI_ONE_MACHINE = {"OMPI_MCA_btl": "self,sm"}
 
 
 def flavour_env(flavour: str) -> dict[str, str]:
@@ -131,8 +134,8 @@ def loopback_env() -> dict[str, str]:
     listeners on every interface, the machine's external address included. One thing
     stays open under Open MPI 5: its launcher's own out-of-band listener (``prterun``),
     since PRRTE refuses a loopback-only out-of-band network ("No network interfaces
-    were found"); its ranks listen on loopback only. MPICH's single-machine launcher
-    listens nowhere, one reason it is the course's default.
+    were found"); its ranks on one machine listen nowhere (:data:`OPENMPI_ONE_MACHINE`).
+    MPICH's single-machine launcher listens nowhere, one reason it is the course's default.
     """
     lo = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
     return {"UCX_NET_DEVICES": lo, "OMPI_MCA_btl_tcp_if_include": lo,
@@ -175,7 +178,8 @@ def mpi_launcher(hostfile: str | os.PathLike[str] | None = None) -> Launcher:
     if hostfile is not None:
         option = "--hostfile" if flavour == "openmpi" else "-f"
         return Launcher([mpiexec, option, str(hostfile)], flavour_env(flavour))
-    env = {k: v for k, v in {**loopback_env(), **flavour_env(flavour)}.items()
+    here = OPENMPI_ONE_MACHINE if flavour == "openmpi" else {}
+    env = {k: v for k, v in {**loopback_env(), **flavour_env(flavour), **here}.items()
            if k not in os.environ}  # the user's choice wins
     gforker = Path(mpiexec).with_name("mpiexec.gforker")
     if gforker.exists() and shutil.which("sh"):
