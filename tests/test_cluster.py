@@ -238,3 +238,10 @@ def test_a_contained_job_writes_only_its_scratch_and_sees_nothing_hidden(tmp_pat
     assert set(lines[1:-1]) == under  # /tmp holds only the way to those
     assert (keep / "mine").exists() and not (elsewhere / "theirs").exists()
     assert (secret / "answer.txt").read_text() == "42"  # hidden, not harmed
+
+
+def test_a_slurm_job_without_slurm_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch: not a Slurm login node
+    with pytest.raises(ClusterError, match="no `sbatch` on PATH"):
+        start_cluster(2, slurm=cl.Slurm(folder=str(tmp_path)))
+    assert cl._current is None and not list(tmp_path.iterdir())  # nothing started or written
