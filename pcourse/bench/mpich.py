@@ -38,8 +38,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def unavailable() -> str:
+    """Why the comparison cannot run here (another MPI than MPICH); empty where it can.
+
+    The MPIR_CVAR_ settings mean nothing to another MPI, which would time one run six times.
+    """
+    from pcourse.cluster.launch import not_mpich
+
+    why = not_mpich("mpich-allreduce (MPICH's MPIR_CVAR_ algorithm settings)")
+    return f"{why} Open MPI's own: `ompi_info --param coll tuned --level 9`." if why else ""
+
+
 def run_comm(name: str, env: dict[str, str], args: argparse.Namespace, out: Path) -> list[dict]:
     """One ``bench comm`` job (MPI native and the Python ring) under ``env``; its rows."""
+    from pcourse.cluster.launch import MPICHOnly
+
+    why = unavailable()
+    if why:
+        raise MPICHOnly(why)
     cmd = [sys.executable, "-m", "pcourse.bench", "comm", "--ranks", str(args.ranks),
            "--methods", "mpi", "ring", "--min-bytes", args.min_bytes, "--max-bytes",
            args.max_bytes, "--factor", "4", "--timeout", str(args.timeout), "--out", str(out)]
@@ -87,6 +103,10 @@ def print_table(cells: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    why = unavailable()
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     rows = []
     with tempfile.TemporaryDirectory(prefix="pcourse-mpich-") as tmp:
         for i, (name, env) in enumerate(RUNS.items()):

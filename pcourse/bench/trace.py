@@ -17,6 +17,7 @@ each in an MPI job of its own, because MPICH reads its progress setting once, wh
 MPI starts: as MPICH is configured, a nonblocking allreduce moves only inside MPI
 calls; with the reducer's hooks testing the requests in flight; with MPICH's
 asynchronous progress thread. ``python -m pcourse.bench.trace`` is one such job's rank.
+The last is MPICH's alone: under Open MPI :func:`record_progress` says so and runs nothing.
 """
 
 from __future__ import annotations
@@ -228,10 +229,13 @@ def record_progress(ranks: int = 2, workload: str = "mnist", cap: int = MiB, rep
     """The overlapped MPI step traced in each :data:`PROGRESS` mode: mode -> Chrome traces,
     one per repeat. One MPI job per mode, one torch thread per rank (as the benchmarks);
     each trace's ``otherData`` says how many threads the rank process had."""
-    from pcourse.cluster.launch import mpirun_rows
+    from pcourse.cluster.launch import mpich_only, mpirun_rows
 
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
+    # Open MPI (5.0, as pip installs it) has no progress thread to compare with: `ompi_info`
+    # says "OMPI progress: no"; its btl_tcp_progress_thread moves TCP only, not shared memory.
+    mpich_only("record_progress's 'progress thread' mode (MPIR_CVAR_ASYNC_PROGRESS)")
     traces = {}
     for mode, (env, drive) in PROGRESS.items():
         args = ["-m", "pcourse.bench.trace", "--workload", workload, "--cap", str(cap),

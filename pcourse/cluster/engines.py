@@ -39,6 +39,7 @@ from typing import Any
 
 import ipyparallel as ipp
 
+from pcourse.cluster import slurm as slurm_jobs
 from pcourse.cluster.launch import (
     Launcher,
     MPINotFound,
@@ -164,7 +165,9 @@ class MPICluster:
         elif any(_exited(x) for x in self.cluster.engines.values()):
             what = "engines"
         else:
-            return ""
+            job = _ended_job(self.cluster)
+            return (f"The cluster's Slurm job has ended ({job}): its engines are gone. "
+                    f"Restart it: run start_cluster({self.n}) again.") if job else ""
         log = "".join(_log_text(x) for x in self.cluster.engines.values())
         stuck = re.search(r"rank \d+ did not stop within [\d.]+ s of the interrupt", log)
         why = f" ({stuck.group(0)})" if stuck else ""
@@ -320,6 +323,8 @@ def start_cluster(
     slurm = Slurm.from_env() if slurm is None and hostfile is None else slurm
     if slurm is not None and hostfile is not None:
         raise ClusterError("give either a hostfile or a Slurm job, not both.")
+    if slurm is not None and slurm_jobs.missing():
+        raise ClusterError(f"a Slurm job was asked for, but {slurm_jobs.missing()}")
     here = slurm is None and hostfile is None
     n = default_engines() if n is None else _check_n(n, here, oversubscribe)
     timeout = (SLURM_START_TIMEOUT if slurm else START_TIMEOUT) if timeout is None else timeout
@@ -413,6 +418,7 @@ def _make_slurm_cluster(n: int, folder: Path, env: dict[str, str], slurm: Slurm)
     job.timelimit, job.queue, job.account = slurm.time, slurm.partition, slurm.account
     job.batch_file_name = str(folder / "slurm_engine.sbatch")  # not in the notebook's folder
     configure_gpus(cluster, slurm.gpus_per_task, slurm.gres)
+    cluster.engine_launcher_class = slurm_jobs.SlurmJobLauncher  # sees its job; GPU lines too
     job.environment = {MARK: str(folder), **env}
     cluster.config.LocalControllerLauncher.environment = {MARK: str(folder)}
     return cluster
@@ -449,10 +455,18 @@ def _initialise(client: ipp.Client, timeout: float) -> tuple[list[RankInfo], ipp
 
 def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout: float,
                       progress: Bar) -> None:
-    """Wait until n engines register; fail fast, with their log, if they die."""
+    """Wait until n engines register; fail fast, with their log, if they die.
+
+    A Slurm job is asked how it stands (once a second): one that Slurm ended fails at
+    once, and one still in the queue at the deadline fails with Slurm's reason.
+    """
     deadline = time.monotonic() + timeout
+    asked = 0.0
     while len(client.ids) < n:
         progress.update(len(client.ids))
+        if time.monotonic() - asked > 1.0:
+            asked = time.monotonic()
+            _check_job(cluster, len(client.ids), n)
         for launcher in list(cluster.engines.values()):
             if _exited(launcher):
                 raise ClusterError(
@@ -465,6 +479,7 @@ def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout:
             tail = _log_tail(cluster.controller) if cluster.controller else "(none)"
             raise ClusterError(f"the ipcontroller exited during start. Its log:\n{tail}")
         if time.monotonic() > deadline:
+            _check_job(cluster, len(client.ids), n, timeout)
             tails = "\n".join(_log_tail(lau) for lau in cluster.engines.values())
             raise ClusterError(
                 f"only {len(client.ids)} of {n} engines registered within {timeout:.0f} s. "
@@ -473,6 +488,43 @@ def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout:
             )
         time.sleep(0.1)
     progress.update(n)
+
+
+def _slurm_jobs(cluster: ipp.Cluster) -> list[slurm_jobs.JobState]:
+    """What Slurm says of the cluster's engine jobs (none: not a Slurm cluster)."""
+    found = []
+    for launcher in list(cluster.engines.values()):
+        if isinstance(launcher, slurm_jobs.SlurmJobLauncher):
+            try:
+                state = launcher.job()
+            except slurm_jobs.SlurmError as exc:  # Slurm itself unreachable: say so
+                state = slurm_jobs.JobState(launcher.job_id, "UNKNOWN", str(exc))
+            if state is not None:
+                found.append(state)
+    return found
+
+
+def _ended_job(cluster: ipp.Cluster) -> slurm_jobs.JobState | None:
+    return next((job for job in _slurm_jobs(cluster) if job.ended), None)
+
+
+def _check_job(cluster: ipp.Cluster, registered: int, n: int,
+               timeout: float | None = None) -> None:
+    """ClusterError, in Slurm's words, if the engines' job has ended; with ``timeout``
+    (the start's deadline has passed) also if it is still waiting in the queue."""
+    for job in _slurm_jobs(cluster):
+        log = "".join(_log_tail(lau) for lau in cluster.engines.values())
+        if job.ended:
+            raise ClusterError(
+                f"Slurm ended the engines' job before they registered ({registered} of {n} "
+                f"had): {job}. Last lines of its log:\n{log}\n`scontrol show job "
+                f"{job.job_id}` has the details.")
+        if timeout is not None and job.pending:
+            raise ClusterError(
+                f"the engines' job waited in Slurm's queue for all of the {timeout:.0f} s "
+                f"start timeout and was cancelled: {job}. `sinfo` shows the partitions and "
+                "their nodes; ask for one with free nodes, fewer engines, or give "
+                "start_cluster a longer timeout=.")
 
 
 def _watch_cells() -> None:

@@ -65,11 +65,77 @@ def find_mpiexec() -> str:
     )
 
 
+_FLAVOURS: dict[str, str] = {}
+
+
+def mpi_flavour(mpiexec: str | None = None) -> str:
+    """Whose ``mpiexec`` this is (default :func:`find_mpiexec`'s): ``"mpich"``,
+    ``"openmpi"`` or ``"other"`` (Intel MPI, ...), from its ``--version``; asked once.
+
+    The two speak different dialects (hostfiles, running as root, more ranks than
+    cores); the MPI library beside mpi4py is the one whose mpiexec this is.
+    """
+    mpiexec = mpiexec or find_mpiexec()
+    if mpiexec not in _FLAVOURS:
+        try:
+            said = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                                  timeout=30, stdin=subprocess.DEVNULL)
+            text = said.stdout + said.stderr
+        except (OSError, subprocess.TimeoutExpired):
+            text = ""
+        _FLAVOURS[mpiexec] = ("openmpi" if "Open MPI" in text or "OpenRTE" in text
+                              else "mpich" if "HYDRA" in text or "MPICH" in text else "other")
+    return _FLAVOURS[mpiexec]
+
+
+class MPICHOnly(RuntimeError):
+    """A piece of the course that is MPICH's alone was asked for under another MPI."""
+
+
+def not_mpich(what: str) -> str:
+    """Why ``what`` (MPICH's own settings) cannot run here; empty where the MPI is MPICH."""
+    flavour = mpi_flavour()
+    if flavour == "mpich":
+        return ""
+    name = {"openmpi": "Open MPI"}.get(flavour, "not MPICH")
+    return (f"{what} is MPICH's own, and this MPI is {name} ({find_mpiexec()}); the course's "
+            "default setup has MPICH (`make setup`, which installs the mpich wheel).")
+
+
+def mpich_only(what: str) -> None:
+    """MPICHOnly, saying so, unless the MPI here is MPICH."""
+    why = not_mpich(what)
+    if why:
+        raise MPICHOnly(why)
+
+
+# Open MPI refuses, by default, what MPICH allows: to run as root, and more ranks than cores
+# (one slot a core). The course runs both on laptops and in containers, so its Open MPI jobs
+# allow them, through the environment (Open MPI 5's PRRTE reads PRTE_MCA_, 4 reads OMPI_MCA_).
+OPENMPI_ENV = {"PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+               "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+OPENMPI_ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+# Ranks on one machine need no network: Open MPI's TCP transport listens on every interface
+# whatever btl_tcp_if_include says (seen with 5.0.11), so a job here uses shared memory only.
+OPENMPI_ONE_MACHINE = {"OMPI_MCA_btl": "self,sm"}
+
+
+def flavour_env(flavour: str) -> dict[str, str]:
+    """What a job of this MPI needs in its environment to run the course's way."""
+    if flavour != "openmpi":
+        return {}
+    return {**OPENMPI_ENV, **(OPENMPI_ROOT_ENV if os.geteuid() == 0 else {})}
+
+
 def loopback_env() -> dict[str, str]:
     """Environment that keeps MPI's own network traffic on the loopback interface.
 
     MPICH's UCX netmod (the pip wheel's default) and Open MPI otherwise open TCP
-    listeners on every interface, the machine's external address included.
+    listeners on every interface, the machine's external address included. One thing
+    stays open under Open MPI 5: its launcher's own out-of-band listener (``prterun``),
+    since PRRTE refuses a loopback-only out-of-band network ("No network interfaces
+    were found"); its ranks on one machine listen nowhere (:data:`OPENMPI_ONE_MACHINE`).
+    MPICH's single-machine launcher listens nowhere, one reason it is the course's default.
     """
     lo = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
     return {"UCX_NET_DEVICES": lo, "OMPI_MCA_btl_tcp_if_include": lo,
@@ -105,11 +171,16 @@ def mpi_launcher(hostfile: str | os.PathLike[str] | None = None) -> Launcher:
     on other nodes, so where MPICH's single-machine launcher (gforker) is installed
     beside it, that starts the ranks instead: it forks them and listens nowhere.
     A ``hostfile`` opts in to several nodes: hydra, ``-f hostfile``, every interface.
+    Open MPI's ``mpiexec`` gets its own dialect (``--hostfile``, :func:`flavour_env`).
     """
     mpiexec = find_mpiexec()
+    flavour = mpi_flavour(mpiexec)
     if hostfile is not None:
-        return Launcher([mpiexec, "-f", str(hostfile)])
-    env = {k: v for k, v in loopback_env().items() if k not in os.environ}  # the user's choice wins
+        option = "--hostfile" if flavour == "openmpi" else "-f"
+        return Launcher([mpiexec, option, str(hostfile)], flavour_env(flavour))
+    here = OPENMPI_ONE_MACHINE if flavour == "openmpi" else {}
+    env = {k: v for k, v in {**loopback_env(), **flavour_env(flavour), **here}.items()
+           if k not in os.environ}  # the user's choice wins
     gforker = Path(mpiexec).with_name("mpiexec.gforker")
     if gforker.exists() and shutil.which("sh"):
         return Launcher([*_KEEP_STDOUT, str(gforker)], env, list(_WRITE_TO_KEPT))

@@ -17,8 +17,9 @@ Ranks that are killed cannot run ``MPI_Finalize``, which is what deletes MPICH's
 shared-memory segment (``/dev/shm/mpich_shm_<job id>_<node>``). Left there, a segment
 holds memory, and a later job that draws the same id attaches to the dead job's
 segment and fails in ``MPI_Init`` ("Message truncated", "failed to unpack
-address"). :func:`sweep_mpi_segments` deletes the segments no running process has
-mapped; killing a cluster's processes ends with it.
+address"). Open MPI's ranks leave theirs (``/dev/shm/sm_segment.*``) the same way.
+:func:`sweep_mpi_segments` deletes the segments no running process has mapped;
+killing a cluster's processes ends with it.
 
 Run as ``python -m pcourse.runtime.reaping OWNER_PID FOLDER``.
 """
@@ -40,7 +41,8 @@ POLL = 0.25  # seconds between looks at the owner
 DEAD_OWNER_GRACE = 0.2  # seconds SIGTERM gets before SIGKILL once the owner is gone: nobody
 #                         waits for a clean shutdown, and the processes must not linger
 SHM = Path("/dev/shm")
-MPI_SEGMENTS = ("mpich_shm_*", "mpich_vci_*")
+# MPICH's, and Open MPI's shared-memory transport's (5: "sm", 4: "vader"), by file name
+MPI_SEGMENTS = ("mpich_shm_*", "mpich_vci_*", "sm_segment.*", "vader_segment.*")
 
 
 def marked(value: str, variable: str = MARK, spare: Iterable[int] = ()) -> list[psutil.Process]:
@@ -85,7 +87,7 @@ def kill_marked(value: str, grace: float = 1.0, *, variable: str = MARK,
 
 
 def sweep_mpi_segments(min_age: float = 1.0, dead: Collection[str] = ()) -> list[str]:
-    """Delete this user's MPICH segments that no process maps; return their names.
+    """Delete this user's MPI segments (MPICH's, Open MPI's) that no process maps; their names.
 
     ``min_age`` seconds spare a segment that a job starting now has created and is
     about to map; ``dead`` names segments known to be a killed job's, deleted at once
