@@ -66,7 +66,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 lab: setup
-	@$(PY) -m pcourse.workshop.reset --snapshot "$(abspath $(LAB_ROOT))"
+	@$(PY) -m pcourse.tools.workshop.reset --snapshot "$(abspath $(LAB_ROOT))"
 	$(RUN) $(BIN)/jupyter lab --ip=127.0.0.1 --no-browser --allow-root \
 		--ServerApp.root_dir="$(abspath $(LAB_ROOT))" --LabApp.default_url="/lab/tree/$(LAB_INDEX)"
 
@@ -98,7 +98,7 @@ lint: setup
 # gpu-cu12 or gpu-cu13, chosen from torch.version.cuda (a CPU-only torch is refused).
 GPU_STAMP := $(VENV)/.pcourse-gpu-installed
 $(GPU_STAMP): $(STAMP)
-	@extra=$$($(PY) -m pcourse.checks.gpu_check --which-extra) || exit 1; \
+	@extra=$$($(PY) -m pcourse.tools.checks.gpu_check --which-extra) || exit 1; \
 	echo "torch's CUDA needs the extra $$extra"; \
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,$$extra]"
 	@touch $@
@@ -122,42 +122,42 @@ $(BOOK_STAMP): $(STAMP)
 book-setup: $(BOOK_STAMP)
 
 book: $(BOOK_STAMP)
-	$(RUN) $(PY) -m pcourse.book $(BOOK_ARGS)
+	$(RUN) $(PY) -m pcourse.tools.book $(BOOK_ARGS)
 
 # Both NCCL backends, one rank per visible GPU, checked against MPI's own Allreduce.
 gpu-check: $(GPU_STAMP)
-	$(RUN) $(PY) -m pcourse.checks.gpu_check
+	$(RUN) $(PY) -m pcourse.tools.checks.gpu_check
 
 clean-venv:
 	rm -rf $(VENV)
 
 # exercises/ is generated from solutions/ (the solved, executed notebooks).
 exercises: setup
-	$(RUN) $(PY) -m pcourse.grading.exercises
+	$(RUN) $(PY) -m pcourse.tools.grading.exercises
 
 # Grade every exercise (or: make grade NOTEBOOKS_TO_GRADE="exercises/01_partitioner.ipynb").
 grade: setup
-	$(RUN) $(PY) -m pcourse.grading.grade $(NOTEBOOKS_TO_GRADE)
+	$(RUN) $(PY) -m pcourse.tools.grading.grade $(NOTEBOOKS_TO_GRADE)
 
 # Grade a class: CLASS/<learner>/<exercise>.ipynb for every learner; writes CLASS/grades.csv
 # and CLASS/gradebook.csv (GRADE_ARGS="-j 4 --timeout 300 --out results/" to change).
 grade-class: setup
 	@test -n "$(CLASS)" || { echo "usage: make grade-class CLASS=path/to/submissions"; exit 2; }
-	$(RUN) $(PY) -m pcourse.grading.grade --class "$(CLASS)" $(GRADE_ARGS)
+	$(RUN) $(PY) -m pcourse.tools.grading.grade --class "$(CLASS)" $(GRADE_ARGS)
 
 # The instructor's kit (see INSTRUCTORS.md).
 # Put a notebook back as shipped, keeping the learner's version in backups/:
 #   make reset NB=notebooks/05_franke.ipynb
 reset: setup
 	@test -n "$(NB)" || { echo "usage: make reset NB=notebooks/05_franke.ipynb"; exit 2; }
-	$(RUN) $(PY) -m pcourse.workshop.reset $(NB)
+	$(RUN) $(PY) -m pcourse.tools.workshop.reset $(NB)
 
 # Run every lesson and solution and rewrite the timing tables (index.ipynb, INSTRUCTORS.md).
 # On a quiet machine; TIMINGS_ARGS=--full for full mode, --only NAME... for some notebooks.
 timings: setup
-	$(RUN) $(PY) -m pcourse.workshop.timings $(TIMINGS_ARGS)
+	$(RUN) $(PY) -m pcourse.tools.workshop.timings $(TIMINGS_ARGS)
 
 # Regenerate the generated blocks (the troubleshooting table in INSTRUCTORS.md from the
 # setup check's reasons, the timing tables from the stored measurements), running nothing.
 troubleshooting: setup
-	$(RUN) $(PY) -m pcourse.workshop.timings --render
+	$(RUN) $(PY) -m pcourse.tools.workshop.timings --render

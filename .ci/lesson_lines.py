@@ -2,7 +2,7 @@
 
     python .ci/lesson_lines.py
 
-Reads the notebooks without running them (:mod:`pcourse.workshop.shown`, the parser the
+Reads the notebooks without running them (:mod:`pcourse.tools.workshop.shown`, the parser the
 test of the taught wing uses too) and prints, per lesson, the lines of every object it
 shows: all, and code (neither blank, nor a comment, nor a docstring), then the same per
 module it shows from, beside the anchors the code review compared them with (issue 22).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pcourse.workshop import shown
+from pcourse.tools.workshop import shown
 
 # lesson -> the anchor the review compared it with (all / code lines)
 ANCHORS = {

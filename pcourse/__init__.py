@@ -5,9 +5,11 @@ lessons that teach each: the registry, ``course.toml``, lists the same; a test h
 the two together):
 
     ``data_parallel``  average gradients, broadcast weights, check consistency (01, 05)
+    ``agree``          every rank checks the collective was called alike (01)
     ``partition``      one seeded shuffle, equal shards (02)
     ``collectives``    tree, ring and recursive-doubling allreduce, and the ring's two
                        halves (reduce-scatter, all-gather), from scratch (03, 10)
+    ``timing``         the slowest rank's median call (04)
     ``backends/``      one allreduce interface (``base``) and the four real backends:
                        ``mpi`` (mpi4py), ``torch_dist`` (Gloo, NCCL), ``cupy_nccl``;
                        ``counting``, a wrapper that counts the bytes sent, and ``groups``,
@@ -28,21 +30,15 @@ the two together):
     ``mesh``           named dimensions of ranks and a group per dimension (11)
     ``activations``    what autograd saves for backward, counted (11)
 
-Under both, the runtime layer (``runtime/``): ranks and devices, waits with deadlines
-and interrupts, the check that all ranks called a collective alike (``agree``), where
-torch.distributed's ranks meet (``bootstrap``), and reaping the processes a run left.
+Under both, the runtime layer (``runtime/``): ranks and devices (``ranks``), waits with
+deadlines (``waits``), and the private names of torch, ipyparallel and ipykernel the
+course relies on (``private``). No lesson shows it.
 
-Tooling lives behind the lessons' modules, in subpackages:
-
-    ``cluster/``   engines for notebooks, ``mpiexec`` jobs, netns
-    ``bench/``     the communication, scaling, per-step and sharding benchmarks
-    ``checks/``    the setup check (lesson 00) and the GPU check
-    ``grading/``   exercises generated from solutions, and the grader
-    ``workshop/``  the instructor's kit: the lesson registry (``course``), lesson
-                   timings, the generated tables of README.md, INSTRUCTORS.md and the
-                   index, resetting a learner's notebook
-    ``book/``      the course as a static website (``make book``)
-    ``utils/``     atomic results files, showing source in a notebook, progress bars
+The workshop lives behind the lessons' modules, in one subpackage, ``tools/``: engines
+and jobs (``cluster/``), benchmarks (``bench/``), the setup and GPU checks (``checks/``),
+the grader (``grading/``), the instructor's kit (``workshop/``) and the website
+(``book/``). ``utils/`` holds atomic results files, showing source in a notebook and
+progress bars, for both.
 
 Importing ``pcourse`` is cheap and never touches MPI or CUDA.
 """

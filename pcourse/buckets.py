@@ -296,3 +296,21 @@ class BucketedAllreduce:
             f"<BucketedAllreduce {len(self.buckets)} buckets (params per bucket: {sizes}), "
             f"overlap={self.overlap}, backend={self.backend.name}>"
         )
+
+
+def profiler_hook() -> EventHook:
+    """An ``on_event`` hook that puts the buckets in ``torch.profiler``'s trace, on backward's
+    clock: a ``record_function`` range from a bucket's launch until its call returns, and
+    from the start of its wait until its average is in place (lesson 07)."""
+    from torch.profiler import record_function
+
+    opened: dict[tuple[str, int], record_function] = {}
+
+    def on_event(event: str, b: int) -> None:
+        if event in ("launch", "wait"):
+            opened[event, b] = record_function(f"{event} bucket {b}")
+            opened[event, b].__enter__()
+        else:  # "launched" closes the launch's range, "done" the wait's
+            opened.pop(("launch" if event == "launched" else "wait", b)).__exit__(None, None, None)
+
+    return on_event

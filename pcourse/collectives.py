@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pcourse.runtime.agree import MismatchError, checked_then_agreed
+from pcourse.agree import MismatchError, checked_then_agreed
 
 OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 ALGORITHMS = ("tree", "ring", "recursive-doubling")
@@ -65,7 +65,7 @@ def _max_over(comm: Any) -> Any:
 
 def _agreed(checks: Any, comm: Any, kind: str, check: bool) -> Any:
     """This rank's ``checks()``, then (``check``) one tiny MPI allreduce: every rank passed
-    the same length, or one refused its input (:func:`pcourse.runtime.agree.checked_then_agreed`:
+    the same length, or one refused its input (:func:`pcourse.agree.checked_then_agreed`:
     a refusing rank still joins, so that every rank raises instead of the others waiting)."""
     return checked_then_agreed(checks, ("length",), _max_over(comm), check=check,
                                subject=f"{kind} needs the same length on every rank",

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pcourse.agree import agree
 from pcourse.backends import Backend
-from pcourse.runtime.agree import agree
 
 
 def _named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -17,7 +17,7 @@ backend first (``mesh.world``: for torch's backends this makes the default group
 span the mesh, for the NCCL ones it picks each rank's GPU), then every dimension's
 group, in the order of the dimensions: the construction is collective over the
 mesh's ranks and no rank waits for one that builds something else
-(:mod:`pcourse.runtime.bootstrap` says why torch needs that order).
+(:mod:`pcourse.backends.bootstrap` says why torch needs that order).
 """
 
 from __future__ import annotations

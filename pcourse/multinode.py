@@ -4,7 +4,7 @@
 :func:`mpi_engine_command` and :func:`slurm_engine_script` return the command and
 the ``sbatch`` script ipyparallel would run to start engines on other nodes, without
 running anything, so a notebook can show them. ``start_cluster(n, hostfile=...)`` and
-``start_cluster(n, slurm=...)`` (:mod:`pcourse.cluster.engines`) really start them.
+``start_cluster(n, slurm=...)`` (:mod:`pcourse.tools.cluster.engines`) really start them.
 
 GPUs are asked for in the job script, as Slurm wants them: ``gpus_per_task`` (one GPU
 per engine: the NCCL backends need that) writes ``#SBATCH --gpus-per-task=N``, ``gres``

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from pcourse.backends import Backend, Work
-from pcourse.cluster.launch import mpirun
-from pcourse.runtime.reaping import sweep_mpi_segments
+from pcourse.tools.cluster.launch import mpirun
+from pcourse.tools.cluster.reaping import sweep_mpi_segments
 
 REPO = Path(__file__).resolve().parents[1]
 MPI_SCRIPTS = REPO / "tests" / "mpi"
@@ -38,7 +38,7 @@ SESSION_MARK = "PCOURSE_TEST_SESSION"
 os.environ[SESSION_MARK] = uuid.uuid4().hex
 
 _CLUSTER_MARKERS = ("ipyparallel.engine", "ipyparallel.controller", "ipengine", "ipcontroller",
-                    "pcourse.runtime.reaping",
+                    "pcourse.tools.cluster.reaping",
                     "mpiexec", "hydra_pmi_proxy",  # MPICH's launcher and proxy
                     "prterun", "prted", "orted")  # Open MPI's (5: PRRTE; 4: ORTE)
 
@@ -129,8 +129,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def launcher_listeners() -> set[str]:
     """Processes allowed to listen beyond loopback on one machine: none under MPICH; under
     Open MPI its launcher, whose PRRTE out-of-band network refuses loopback alone
-    (:func:`pcourse.cluster.launch.loopback_env`). The ranks stay on loopback under both."""
-    from pcourse.cluster.launch import mpi_flavour
+    (:func:`pcourse.tools.cluster.launch.loopback_env`). The ranks stay on loopback under both."""
+    from pcourse.tools.cluster.launch import mpi_flavour
 
     return {"prterun", "prted"} if mpi_flavour() == "openmpi" else set()
 
@@ -138,7 +138,7 @@ def launcher_listeners() -> set[str]:
 # ---------------------------------------------------------------- leak guard
 def cluster_processes() -> dict[int, str]:
     """pid -> command line of every engine, controller and MPI launcher this session started."""
-    from pcourse.runtime.reaping import marked
+    from pcourse.tools.cluster.reaping import marked
 
     found = {}
     for proc in marked(os.environ[SESSION_MARK], SESSION_MARK):

@@ -164,7 +164,7 @@ class OneNodeSlurm:
     def stop(self) -> None:
         """Cancel every job, end the daemons, then anything left that carries this Slurm's
         ``SLURM_CONF`` (the daemons, slurmstepd and the jobs' tasks all inherit it)."""
-        from pcourse.runtime.reaping import kill_marked
+        from pcourse.tools.cluster.reaping import kill_marked
 
         if self.daemons and all(d.poll() is None for d in self.daemons):
             self.run("scancel", "--user", "root", check=False)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from pcourse.agree import agree
 from pcourse.backends import (
     BACKENDS,
     BackendUnavailable,
@@ -23,8 +24,7 @@ from pcourse.backends import (
     backend_status,
     make_backend,
 )
-from pcourse.cluster.launch import kill_group
-from pcourse.runtime.agree import agree
+from pcourse.tools.cluster.launch import kill_group
 
 REPO = Path(__file__).resolve().parents[1]
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")
@@ -100,7 +100,7 @@ def test_agreement_passes_equal_facts_and_names_what_differs():
                                     ["ValueError: a", "", "KeyError: 'b'"]])
 def test_a_step_that_fails_on_any_rank_raises_on_every_rank_naming_them(errors):
     """``everyone`` on rank 1 of three, whose own step succeeds: the others' errors decide."""
-    from pcourse.runtime.agree import RankFailure, everyone
+    from pcourse.agree import RankFailure, everyone
 
     class ThreeRanks:
         def allgather(self, mine):
@@ -118,7 +118,7 @@ def test_a_step_that_fails_on_any_rank_raises_on_every_rank_naming_them(errors):
 
 
 def test_this_ranks_own_failure_is_reported_to_the_others():
-    from pcourse.runtime.agree import RankFailure, everyone
+    from pcourse.agree import RankFailure, everyone
 
     class Echo:
         def allgather(self, mine):
@@ -167,7 +167,7 @@ def test_a_backend_refuses_bad_roots_and_ops_after_telling_the_others(one_rank):
 
 # ---------------------------------------------------------------- rendezvous helpers
 def test_interface_address_reads_the_loopback():
-    from pcourse.runtime.bootstrap import interface_address
+    from pcourse.backends.bootstrap import interface_address
 
     assert interface_address("lo") == "127.0.0.1"
     assert interface_address("=lo") == "127.0.0.1"
@@ -176,7 +176,7 @@ def test_interface_address_reads_the_loopback():
 
 
 def test_address_choice_honours_the_environment(monkeypatch):
-    from pcourse.runtime.bootstrap import _pick_address
+    from pcourse.backends.bootstrap import _pick_address
 
     for var in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME"):
         monkeypatch.delenv(var, raising=False)
@@ -188,7 +188,7 @@ def test_address_choice_honours_the_environment(monkeypatch):
 
 
 def test_the_store_listens_on_its_address_only_and_a_bad_master_port_is_explained(monkeypatch):
-    from pcourse.runtime.bootstrap import _pick_port
+    from pcourse.backends.bootstrap import _pick_port
 
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with _pick_port("127.0.0.1") as s:
@@ -206,7 +206,7 @@ def test_the_store_listens_on_its_address_only_and_a_bad_master_port_is_explaine
 
 
 def test_one_host_binds_loopback_unless_an_interface_is_named(monkeypatch):
-    from pcourse.runtime.bootstrap import socket_ifname
+    from pcourse.backends.bootstrap import socket_ifname
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     with socket_ifname("GLOO_SOCKET_IFNAME", loopback=True):
@@ -255,7 +255,8 @@ def test_backend_status_lists_every_backend_with_a_reason():
 @pytest.mark.slow
 def test_gpu_check_passes_or_says_why_it_cannot_run():
     """On GPUs: both NCCL backends against MPI, one rank per GPU; without: a clean skip."""
-    out = subprocess.run([sys.executable, "-m", "pcourse.checks.gpu_check"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "pcourse.tools.checks.gpu_check"],
+                         capture_output=True,
                          text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stdout + out.stderr
     last = out.stdout.strip().splitlines()[-1]
@@ -394,7 +395,7 @@ def test_the_default_groups_rendezvous_sets_both_interfaces_and_nccls_error_mode
     the process; afterwards the environment is as it was."""
     import torch.distributed as dist
 
-    from pcourse.runtime import bootstrap
+    from pcourse.backends import bootstrap
 
     names = (*bootstrap.IFNAME_VARS, bootstrap.NCCL_ERROR_HANDLING[0])
     for var in names:
@@ -435,7 +436,7 @@ def test_the_default_groups_rendezvous_sets_both_interfaces_and_nccls_error_mode
 
 
 def test_a_users_nccl_settings_are_left_alone(monkeypatch):
-    from pcourse.runtime.bootstrap import _nccl_error_handling, socket_ifname
+    from pcourse.backends.bootstrap import _nccl_error_handling, socket_ifname
 
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
@@ -580,7 +581,7 @@ def test_backend_status_at_a_rank_count_follows_the_gpus(monkeypatch):
 
 
 def test_the_scaling_benchmark_skips_nccl_where_ranks_outnumber_gpus(monkeypatch):
-    from pcourse.bench import scaling
+    from pcourse.tools.bench import scaling
 
     _fake_gpus(monkeypatch, 2)
     assert scaling.skip_reason("nccl", 2) == "" and scaling.skip_reason("nccl-cupy", 1) == ""
@@ -621,7 +622,8 @@ def test_an_nccl_timeout_raises_in_the_rank_instead_of_ending_it(mpi_run):
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_gpu_check_passes_on_this_machines_gpus():
-    out = subprocess.run([sys.executable, "-m", "pcourse.checks.gpu_check"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "pcourse.tools.checks.gpu_check"],
+                         capture_output=True,
                          text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "PASS", (
         out.stdout + out.stderr)

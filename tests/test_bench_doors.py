@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from pcourse.bench import commbench, scaling, steps
-from pcourse.cluster import launch, start_cluster, stop_cluster
+from pcourse.tools.bench import commbench, scaling, steps
+from pcourse.tools.cluster import launch, start_cluster, stop_cluster
 from pcourse.workloads import mnist
 from pcourse.workloads.config import FrankeConfig
 
@@ -29,7 +29,7 @@ STEPS = steps.StepSpec.smoke(workloads=("franke",))
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "pcourse.bench", *args], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "pcourse.tools.bench", *args], capture_output=True,
                           text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout + done.stderr
     return done
@@ -124,14 +124,14 @@ def test_a_rank_count_beyond_the_cluster_is_refused(view) -> None:
 
 LAUNCHER_PROBE = textwrap.dedent("""
     import sys
-    import pcourse.cluster.launch as launch
+    import pcourse.tools.cluster.launch as launch
 
     def mpirun(n, args, **kw):  # stands in for mpiexec: say what was loaded, start nothing
         print("torch loaded" if "torch" in sys.modules else "no torch", n, flush=True)
         raise launch.MPIJobError("stopped before any rank started")
 
     launch.mpirun = mpirun
-    from pcourse.bench.__main__ import main
+    from pcourse.tools.bench.__main__ import main
     main(sys.argv[1:])
 """)
 
@@ -166,7 +166,7 @@ def no_rank_may_start(monkeypatch):
 
 
 def _refused(capsys, argv: list[str], says: str) -> None:
-    from pcourse.bench.__main__ import main
+    from pcourse.tools.bench.__main__ import main
 
     with pytest.raises(SystemExit) as exit_:
         main(argv)
@@ -214,7 +214,7 @@ def test_bad_arguments_are_refused_before_any_rank_starts(tmp_path, capsys, monk
 
 
 def test_oversubscribing_on_purpose_is_allowed(tmp_path, capsys, no_rank_may_start) -> None:
-    from pcourse.bench.__main__ import main
+    from pcourse.tools.bench.__main__ import main
 
     n = launch.max_engines() + 1
     argv = ["franke", "--ranks", str(n), "--batch-size", str(n), "--points", str(4 * n),

@@ -33,8 +33,8 @@ import nbformat
 import pytest
 from test_browser import CHROMIUM, CHROMIUM_ARGS, ENABLE, _unavailable
 
-from pcourse.book import build as book_build
-from pcourse.workshop import course
+from pcourse.tools.book import build as book_build
+from pcourse.tools.workshop import course
 
 REPO = Path(__file__).resolve().parents[1]
 ARTEFACTS = REPO / "tests" / "artefacts" / "book"

@@ -11,9 +11,9 @@ import psutil
 import pytest
 from conftest import cluster_processes, launcher_listeners
 
-from pcourse.cluster import ClusterError, launch, start_cluster, stop_cluster
-from pcourse.cluster import engines as cl
 from pcourse.runtime.ranks import gpu_for
+from pcourse.tools.cluster import ClusterError, launch, start_cluster, stop_cluster
+from pcourse.tools.cluster import engines as cl
 
 LOOPBACK = {"127.0.0.1", "::1"}
 

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from pcourse.bench.commbench import CommSpec, parse_args, sizes
-from pcourse.bench.commreport import FIELDS, add_rates, fit_all, read_rows
+from pcourse.tools.bench.commbench import CommSpec, parse_args, sizes
+from pcourse.tools.bench.commreport import FIELDS, add_rates, fit_all, read_rows
 
 FROM_SCRATCH = {"mpi", "mpi-pickle", "tree", "ring", "recursive-doubling"}
 
 
 def commbench(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    return subprocess.run([sys.executable, "-m", "pcourse.bench.commbench", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "pcourse.tools.bench.commbench", *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

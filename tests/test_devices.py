@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from pcourse.bench import scaling
 from pcourse.loop import train
+from pcourse.tools.bench import scaling
 from pcourse.workloads import make_workload
 from pcourse.workloads.config import FrankeConfig
 

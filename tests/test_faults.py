@@ -26,9 +26,9 @@ from IPython.paths import get_ipython_dir
 
 from pcourse.backends import BACKENDS, backend_class
 from pcourse.backends.base import DEFAULT_TIMEOUT, TIMEOUT_ENV, collective_timeout
-from pcourse.cluster import ClusterError, start_cluster, stop_cluster
-from pcourse.cluster.launch import mpirun
-from pcourse.runtime.reaping import sweep_mpi_segments
+from pcourse.tools.cluster import ClusterError, start_cluster, stop_cluster
+from pcourse.tools.cluster.launch import mpirun
+from pcourse.tools.cluster.reaping import sweep_mpi_segments
 
 # --- a hung rank ---------------------------------------------------------------------
 
@@ -142,7 +142,7 @@ def test_the_default_deadline_is_one_setting_for_every_backend(monkeypatch) -> N
 
 OWNER = """
 import os, signal, sys, time
-from pcourse.cluster import start_cluster
+from pcourse.tools.cluster import start_cluster
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
 mc = start_cluster(1)
@@ -154,7 +154,7 @@ if sys.argv[1] != "exit":  # a script that forgets stop_cluster just ends here
 
 def _owned(mark: str, owner: int) -> list[psutil.Process]:
     """Processes started, directly or not, by the owner carrying ``mark`` (not the owner)."""
-    from pcourse.runtime.reaping import marked
+    from pcourse.tools.cluster.reaping import marked
 
     found = []
     for proc in marked(mark, "PCOURSE_TEST_OWNER", spare=(owner,)):
@@ -241,7 +241,7 @@ def test_versus_source_runs_the_source_on_loopback_and_ends_it_on_sigterm(
     pids.mkdir()
     (source / "main_franke.py").write_text(FAKE_SOURCE)
     versus = subprocess.Popen(
-        [sys.executable, "-m", "pcourse.bench", "versus-source", "--source", str(source),
+        [sys.executable, "-m", "pcourse.tools.bench", "versus-source", "--source", str(source),
          "--rounds", "1", "--ranks", "2", "--epochs", "1", "--skip-hydra"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "FAKE_SOURCE_PIDS": str(pids), "PCOURSE_TEST_OWNER": mark})
@@ -358,7 +358,7 @@ def test_an_interrupt_that_cannot_stop_a_rank_says_restart_and_restart_works(mc)
 
 # --- what killed ranks leave in shared memory ----------------------------------------
 
-# MPICH's segments, or Open MPI's shared-memory transport's (pcourse.runtime.reaping)
+# MPICH's segments, or Open MPI's shared-memory transport's (pcourse.tools.cluster.reaping)
 SEGMENT = r"/dev/shm/(?:mpich_\w+|sm_segment\.[\w.]+|vader_segment\.[\w.]+)"
 
 
@@ -439,7 +439,8 @@ def test_a_benchmark_killed_with_sigkill_leaves_no_rank_and_keeps_its_rows(tmp_p
     out.write_text("an earlier run's results\n")
     partial = out.with_suffix(".partial.csv")
     bench = subprocess.Popen(
-        [sys.executable, "-m", "pcourse.bench", "comm", "--ranks", "2", "--methods", "mpi-pickle",
+        [sys.executable, "-m", "pcourse.tools.bench", "comm", "--ranks", "2", "--methods",
+         "mpi-pickle",
          "--min-bytes", "4", "--max-bytes", "64M", "--factor", "2", "--target-time", "0.3",
          "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "PCOURSE_TEST_OWNER": mark})
@@ -464,7 +465,7 @@ def test_a_benchmark_killed_with_sigkill_leaves_no_rank_and_keeps_its_rows(tmp_p
 def test_kill_marked_ends_exactly_the_marked_processes_that_are_not_spared() -> None:
     """A process that ignores SIGTERM is killed after the grace; another mark, another
     value and a spared pid live on."""
-    from pcourse.runtime.reaping import kill_marked, marked
+    from pcourse.tools.cluster.reaping import kill_marked, marked
 
     value = uuid.uuid4().hex
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pcourse.bench.flops import flops_per_sample, limit_rows, matmul_rate
+from pcourse.tools.bench.flops import flops_per_sample, limit_rows, matmul_rate
 from pcourse.workloads import make_workload
 from pcourse.workloads.config import FrankeConfig
 

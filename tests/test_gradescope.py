@@ -16,10 +16,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from pcourse.grading import gradescope, lms, submission
-from pcourse.grading.grade import _checks, _judge, grade_class, main
-from pcourse.grading.runner import Executed
-from pcourse.grading.verdicts import Check, Grade
+from pcourse.tools.grading import gradescope, lms, submission
+from pcourse.tools.grading.grade import _checks, _judge, grade_class, main
+from pcourse.tools.grading.runner import Executed
+from pcourse.tools.grading.verdicts import Check, Grade
 
 REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS = REPO / "solutions"
@@ -179,7 +179,7 @@ def test_a_graded_class_gets_partial_credit_per_check(tmp_path):
 
 
 def test_one_submission_as_gradescopes_autograder_grades_it(tmp_path, capsys):
-    """`python -m pcourse.grading.gradescope`: one notebook, one results.json (no engines
+    """`python -m pcourse.tools.grading.gradescope`: one notebook, one results.json (no engines
     needed for a notebook the grader rejects unread)."""
     notebook = tmp_path / f"{NAMES[0]}.ipynb"
     notebook.write_text("{ not a notebook")

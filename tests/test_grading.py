@@ -23,10 +23,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from pcourse.cluster import launch
-from pcourse.grading import exercises as ex
-from pcourse.grading import runner, submission
-from pcourse.grading.grade import (
+from pcourse.tools.cluster import launch
+from pcourse.tools.grading import exercises as ex
+from pcourse.tools.grading import runner, submission
+from pcourse.tools.grading.grade import (
     exercise_of,
     exercises,
     grade_class,
@@ -34,13 +34,13 @@ from pcourse.grading.grade import (
     table,
     write_gradebook,
 )
-from pcourse.grading.verdicts import Grade, explain
+from pcourse.tools.grading.verdicts import Grade, explain
 
 REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS, EXERCISES = REPO / "solutions", REPO / "exercises"
 NAMES = sorted(p.stem for p in SOLUTIONS.glob("*.ipynb"))
 CLASS_TIMEOUT = 60  # seconds per notebook in the class below; the hang uses all of it
-PLANTED = (SOLUTIONS / "zz_planted.txt", REPO / "pcourse" / "grading" / "zz_planted.txt")
+PLANTED = (SOLUTIONS / "zz_planted.txt", REPO / "pcourse" / "tools" / "grading" / "zz_planted.txt")
 
 _spec = importlib.util.spec_from_file_location("wrong_answers", REPO / "tests/grading/wrong.py")
 wrong = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
@@ -292,8 +292,8 @@ def test_what_the_engines_send_back_is_read_as_data_only():
     import numpy as np
     import torch
 
-    from pcourse.grading import harness
-    from pcourse.grading.trials import Call
+    from pcourse.tools.grading import harness
+    from pcourse.tools.grading.trials import Call
 
     data = {"grads": [torch.arange(6.0).reshape(2, 3), None], "x": np.ones(3, np.float32),
             "calls": [Call("Sendrecv", 4, 1)], "n": np.int64(3), "dtype": torch.float64,
@@ -318,7 +318,8 @@ def test_what_the_engines_send_back_is_read_as_data_only():
     assert isinstance(forged_exec, harness.Refused) and builtins.print is printing
 
 
-SETUP = "import numpy as np\nfrom mpi4py import MPI\nfrom pcourse.grading.harness import run\n" \
+SETUP = "import numpy as np\nfrom mpi4py import MPI\nfrom pcourse.tools.grading.harness import " \
+    "run\n" \
         "mc = start()\n"
 THEIRS = "def f(comm):\n    pass\n"
 
@@ -342,11 +343,12 @@ def test_ordinary_learner_code_is_not_called_tampering(code):
     ("def f(comm):\n    global run\n    run = None\n", "global run"),
     ("np.allclose = lambda *a, **k: True\n", "changes `np.allclose`"),
     ("def f(comm):\n    MPI.COMM_WORLD.Allreduce = None\n", "changes `MPI.COMM_WORLD.Allreduce`"),
-    ("def f(comm):\n    import pcourse.grading.refs as r\n    r.names = list\n", "course's own"),
+    ("def f(comm):\n    import pcourse.tools.grading.refs as r\n    r.names = list\n",
+     "course's own"),
     ("exec('run = None')\n", "uses `exec`"),
     ("globals()['run'] = None\n", "uses `globals`"),
     ("%time x = 1\n", "IPython magic"),
-    ("import sys\nsys.modules['pcourse.grading.harness'].verdict = print\n", "imports sys"),
+    ("import sys\nsys.modules['pcourse.tools.grading.harness'].verdict = print\n", "imports sys"),
     ("x = mc.view\n", "uses `mc`"),
     ("f = (lambda: 0).__globals__\n", "__globals__"),
 ])
@@ -383,7 +385,7 @@ def test_the_command_line_grades_a_class_and_writes_the_gradebook(tmp_path, caps
 
 def test_rows_are_on_disk_as_soon_as_they_are_decided(tmp_path):
     """A grader that dies halfway leaves every finished row in grades.partial.csv."""
-    from pcourse.grading.grade import RowLog
+    from pcourse.tools.grading.grade import RowLog
 
     tampered = _solved(NAMES[1])
     wrong.drop_check(0)(tampered, None)  # rejected unrun: no engines needed
@@ -428,7 +430,7 @@ def test_both_modes_find_a_learners_notebook_by_the_same_names(tmp_path, capsys)
 def test_an_unwritable_out_is_refused_before_grading(tmp_path, capsys, monkeypatch):
     _write(_exercise(NAMES[0]), tmp_path / "ann" / f"{NAMES[0]}.ipynb")
     graded = []
-    monkeypatch.setattr("pcourse.grading.grade.grade_class", lambda *a: graded.append(a))
+    monkeypatch.setattr("pcourse.tools.grading.grade.grade_class", lambda *a: graded.append(a))
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     for out in (a_file, a_file / "grades"):

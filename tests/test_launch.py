@@ -14,11 +14,11 @@ import psutil
 import pytest
 from conftest import launcher_listeners
 
-from pcourse.cluster.launch import MPIJobError, mpirun, mpirun_rows
+from pcourse.tools.cluster.launch import MPIJobError, mpirun, mpirun_rows
 
 REPORTS = """
 from mpi4py import MPI
-from pcourse.cluster.launch import report_rows
+from pcourse.tools.cluster.launch import report_rows
 comm = MPI.COMM_WORLD
 print("noise that is not a row", flush=True)
 sys.stderr.write("a warning on stderr, mid-line")  # shares the pipe with stdout
@@ -70,7 +70,7 @@ def test_zero_ranks_is_refused() -> None:
 
 def test_outside_mpirun_rows_the_caller_reports_itself(monkeypatch: pytest.MonkeyPatch,
                                                        tmp_path: Path) -> None:
-    from pcourse.cluster.launch import ROWS_ENV, report_rows
+    from pcourse.tools.cluster.launch import ROWS_ENV, report_rows
 
     monkeypatch.delenv(ROWS_ENV, raising=False)
     monkeypatch.chdir(tmp_path)
@@ -111,8 +111,8 @@ def test_a_job_on_this_machine_listens_on_loopback_only(tmp_path: Path) -> None:
 
 @pytest.mark.mpi
 def test_several_nodes_are_opted_in_with_a_hostfile(tmp_path: Path) -> None:
-    from pcourse.cluster.launch import mpi_flavour
     from pcourse.multinode import hostfile_text
+    from pcourse.tools.cluster.launch import mpi_flavour
 
     hosts = tmp_path / "hosts"
     hosts.write_text(hostfile_text({"localhost": 2}, "mpich" if mpi_flavour() == "mpich"
@@ -128,7 +128,8 @@ def test_a_stopped_launcher_takes_its_job_with_it(tmp_path: Path, sig: int) -> N
     job = _script(tmp_path, f"import os\nopen({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
                             "time.sleep(600)")
     ranks = None
-    launcher = subprocess.Popen([sys.executable, "-c", "from pcourse.cluster.launch import mpirun; "
+    launcher = subprocess.Popen([sys.executable, "-c",
+                                 "from pcourse.tools.cluster.launch import mpirun; "
                                  f"mpirun(2, [{job!r}], timeout=600)"])
     try:
         ranks = _wait_for(lambda: [int(p) for p in pids.read_text().split()]
@@ -191,8 +192,8 @@ def test_every_character_the_ranks_print_comes_back(tmp_path: Path) -> None:
 def test_the_job_ends_when_every_rank_has_reported_its_exit() -> None:
     # A launcher that lingers after its ranks exit (as MPICH's forker does, for up to
     # about two seconds): the job must end on the ranks' reports, with their worst code.
-    from pcourse.cluster.launch import run_in_session
-    from pcourse.cluster.rank_exit import RANK_EXIT
+    from pcourse.tools.cluster.launch import run_in_session
+    from pcourse.tools.cluster.rank_exit import RANK_EXIT
 
     lingering = f'echo out; echo "{RANK_EXIT} 0"; echo "{RANK_EXIT} 3"; exec sleep 60'
     out, code = run_in_session(["sh", "-c", lingering], timeout=30, ranks=2)
@@ -225,7 +226,7 @@ def _fake_mpiexec(folder: Path, says: str) -> str:
 
 def test_the_mpiexec_here_is_named_by_the_library_mpi4py_loads() -> None:
     """mpi_flavour reads mpiexec; mpi4py's library, asked without starting MPI, agrees."""
-    from pcourse.cluster import launch
+    from pcourse.tools.cluster import launch
 
     library = subprocess.run(
         [sys.executable, "-c", "import mpi4py; mpi4py.rc.initialize = False\n"
@@ -240,8 +241,8 @@ def test_the_mpiexec_here_is_named_by_the_library_mpi4py_loads() -> None:
     ("HYDRA build details:\n    Version: 4.2.0", "mpich"),
     ("Intel(R) MPI Library for Linux* OS, Version 2021.10", "other")])
 def test_each_mpi_speaks_its_own_dialect(tmp_path: Path, monkeypatch, says, flavour) -> None:
-    from pcourse.bench import mpich, trace
-    from pcourse.cluster import launch
+    from pcourse.tools.bench import mpich, trace
+    from pcourse.tools.cluster import launch
 
     mpiexec = _fake_mpiexec(tmp_path, says)
     monkeypatch.setattr(launch, "find_mpiexec", lambda: mpiexec)

@@ -14,7 +14,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from pcourse.workshop import course, render
+from pcourse.tools.workshop import course, render
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = [e.path for folder in course.FOLDERS for e in course.entries(folder, REPO)]
@@ -57,7 +57,7 @@ def test_opens_with_objectives_and_a_generated_estimated_time(path):
     assert "**Estimated time:**" in block, (
         f"{path}: no generated estimated time in the first cell: add the markers "
         f"{render.begin(render.ESTIMATE)!r} ... {render.end(render.ESTIMATE)!r} and run "
-        "`python -m pcourse.workshop.timings --render`")
+        "`python -m pcourse.tools.workshop.timings --render`")
     typed = sum(s.count("**Estimated time:**") for s in _markdown(_read(path)))
     assert typed == 1, f"{path}: an estimated time typed by hand, beside the generated one"
 

@@ -65,7 +65,7 @@ class _Everyone:
 
 
 def test_every_rank_makes_every_part_in_one_order_numbered_as_its_communicator() -> None:
-    from pcourse.runtime.bootstrap import _swap_parts
+    from pcourse.backends.bootstrap import _swap_parts
 
     # 4 ranks in two parts: {1, 0} (numbered backwards by its communicator) and {2, 3}
     rows = [[2, 1, 0, 0], [2, 1, 0, 0], [0, 0, 1, 2], [0, 0, 1, 2]]

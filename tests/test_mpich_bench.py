@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from pcourse.bench import mpich
+from pcourse.tools.bench import mpich
 
 
 def _rows(run: str, latencies: dict[int, float], ring: dict[int, float] | None = None):

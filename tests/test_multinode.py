@@ -76,7 +76,7 @@ def test_a_bad_gpu_request_is_refused_naming_it(gpus_per_task, gres, says):
 def test_a_slurm_cluster_asks_for_the_gpus_its_job_is_given(monkeypatch, tmp_path):
     """start_cluster(n, slurm=Slurm(gpus_per_task=1)) and $PCOURSE_SLURM pass the request
     to the job script the cluster's launcher writes."""
-    from pcourse.cluster import engines
+    from pcourse.tools.cluster import engines
 
     monkeypatch.setenv(engines.SLURM_ENV, "partition=gpu gpus_per_task=1 gres=gpu:2")
     slurm = engines.Slurm.from_env()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pcourse.cluster import netns
+from pcourse.tools.cluster import netns
 
 REASON = netns.unavailable_reason()
 needs_netns = pytest.mark.skipif(bool(REASON), reason=f"network namespaces unavailable: {REASON}")

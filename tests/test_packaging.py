@@ -241,7 +241,7 @@ def test_this_torchs_extra_names_torchs_own_nccl():
 
     import torch
 
-    done = subprocess.run([sys.executable, "-m", "pcourse.checks.gpu_check", "--which-extra"],
+    done = subprocess.run([sys.executable, "-m", "pcourse.tools.checks.gpu_check", "--which-extra"],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     if torch.version.cuda is None:
         assert done.returncode == 2 and "CPU-only" in done.stderr, done.stdout + done.stderr
@@ -258,7 +258,7 @@ def test_this_torchs_extra_names_torchs_own_nccl():
 def test_make_gpu_check_installs_the_extra_of_torchs_cuda():
     text = (REPO / "Makefile").read_text()
     recipe = text[text.index("$(GPU_STAMP): $(STAMP)"):].split("\n\n", 1)[0]
-    assert "pcourse.checks.gpu_check --which-extra" in recipe and "|| exit 1" in recipe
+    assert "pcourse.tools.checks.gpu_check --which-extra" in recipe and "|| exit 1" in recipe
     assert '".[test,$$extra]"' in recipe and ".[test,gpu]" not in text
 
 
@@ -289,7 +289,7 @@ def test_every_pcourse_variable_is_in_the_contributors_table() -> None:
 
 # ---------------------------------------------------------------- layers
 # The runtime layer's modules: what both wings stand on
-RUNTIME_MODULES = {"ranks", "waits", "agree", "bootstrap", "reaping", "private"}
+RUNTIME_MODULES = {"ranks", "waits", "private"}
 
 
 def _module(path: Path) -> str:
@@ -311,9 +311,9 @@ def _pcourse_imports(path: Path) -> set[str]:
 
 
 def test_taught_modules_stand_on_the_runtime_layer_never_on_the_tooling():
-    """The wall as pcourse.workshop.shown.layer draws it (tests/test_wing.py holds the other
+    """The wall as pcourse.tools.workshop.shown.layer draws it (tests/test_wing.py holds the other
     side: the tooling defines nothing a lesson shows)."""
-    from pcourse.workshop.shown import layer
+    from pcourse.tools.workshop.shown import layer
 
     taught = sorted(p for p in REPO.glob("pcourse/**/*.py") if layer(_module(p)) == "taught")
     assert len(taught) > 15
@@ -323,16 +323,16 @@ def test_taught_modules_stand_on_the_runtime_layer_never_on_the_tooling():
 
 
 def test_the_graders_modules_import_one_way():
-    """No circle among pcourse.grading's modules, counting imports inside functions too."""
-    modules = {p.stem: p for p in (REPO / "pcourse" / "grading").glob("*.py")}
+    """No circle among pcourse.tools.grading's modules, counting imports inside functions too."""
+    modules = {p.stem: p for p in (REPO / "pcourse" / "tools" / "grading").glob("*.py")}
 
-    def imported(path: Path) -> set[str]:  # `from pcourse.grading import x` names x too
+    def imported(path: Path) -> set[str]:  # `from pcourse.tools.grading import x` names x too
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "pcourse.grading":
+            if isinstance(node, ast.ImportFrom) and node.module == "pcourse.tools.grading":
                 found |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module:
-                found.add(node.module.removeprefix("pcourse.grading."))
+                found.add(node.module.removeprefix("pcourse.tools.grading."))
         return found & set(modules)
 
     arrows = {name: imported(path) - {name} for name, path in modules.items()}  # runner: itself

@@ -18,7 +18,7 @@ from pcourse.runtime import private
 def test_the_course_view_overrides_ipyparallels_apply_entry_with_its_signature():
     import ipyparallel as ipp
 
-    from pcourse.cluster.engines import _InterruptibleView
+    from pcourse.tools.cluster.engines import _InterruptibleView
 
     theirs = getattr(ipp.DirectView, private.VIEW_APPLY, None)
     assert theirs is not None, f"ipyparallel's DirectView has no {private.VIEW_APPLY} any more"

@@ -81,7 +81,7 @@ def test_nowhere_to_show_it_shows_nothing(monkeypatch, capsys):
 @pytest.mark.mpi
 def test_training_on_the_engines_shows_rank_0s_epochs_in_the_notebook(shown):
     """train() on the engines publishes; the blocking apply shows it, then empties it."""
-    from pcourse.cluster import start_cluster, stop_cluster
+    from pcourse.tools.cluster import start_cluster, stop_cluster
 
     def _train_on_engine(epochs):  # local, so cloudpickle sends it by value
         from pcourse.backends import make_backend

@@ -1,4 +1,4 @@
-"""The lesson registry (``course.toml``, :mod:`pcourse.workshop.course`) and what must agree
+"""The lesson registry (``course.toml``, :mod:`pcourse.tools.workshop.course`) and what must agree
 with it: the folders, the package's docstring, the lessons' "Next:" lines, which lesson
 is the last, and the course-wide facts README.md and INSTRUCTORS.md state.
 
@@ -19,7 +19,7 @@ import pytest
 from nbformat.v4 import new_markdown_cell, new_notebook
 
 import pcourse
-from pcourse.workshop import course
+from pcourse.tools.workshop import course
 
 REPO = Path(__file__).resolve().parents[1]
 COURSE = course.load(REPO)
@@ -115,8 +115,8 @@ def _edit(tmp: Path, old: str, new: str) -> None:
 
 def _taught() -> set[str]:
     """The taught top-level names: modules, and the taught subpackages (the wall as
-    pcourse.workshop.shown.layer draws it)."""
-    from pcourse.workshop.shown import layer
+    pcourse.tools.workshop.shown.layer draws it)."""
+    from pcourse.tools.workshop.shown import layer
 
     names = set()
     for path in REPO.glob("pcourse/**/*.py"):
@@ -275,7 +275,7 @@ def test_readme_and_the_guide_say_what_quick_mode_trains_on():
 
 
 def test_readme_and_the_guide_say_how_many_engines_the_grader_starts():
-    from pcourse.grading.harness import GRADER_SIZES
+    from pcourse.tools.grading.harness import GRADER_SIZES
 
     n = course.grader_engines()
     assert n == max(GRADER_SIZES), "the grader's clusters must hold its largest check"

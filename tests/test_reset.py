@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pcourse.workshop import reset
+from pcourse.tools.workshop import reset
 
 NOW = datetime.datetime(2026, 1, 2, 3, 4, 5)
 SHIPPED = {"notebooks/05_franke.ipynb": b'{"shipped": "lesson"}\n',
@@ -100,7 +100,7 @@ def test_reset_refuses_a_file_outside_the_course(tmp_path):
 def test_command_line(tmp_path):
     root = _course(tmp_path, git=False)
     _learner_edits(root)
-    cmd = [sys.executable, "-m", "pcourse.workshop.reset"]
+    cmd = [sys.executable, "-m", "pcourse.tools.workshop.reset"]
     ok = subprocess.run([*cmd, "notebooks/05_franke.ipynb", "exercises/01_partitioner.ipynb"],
                         cwd=root, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pcourse.backends import BACKENDS, backend_status
-from pcourse.checks import setup_check
-from pcourse.cluster.engines import ClusterError
+from pcourse.tools.checks import setup_check
+from pcourse.tools.cluster.engines import ClusterError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def test_verdict_needs_mpi_and_gloo(capsys):
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_command_line_check_is_ready_here():
-    result = subprocess.run([sys.executable, "-m", "pcourse.checks.setup_check", "-n", "2"],
+    result = subprocess.run([sys.executable, "-m", "pcourse.tools.checks.setup_check", "-n", "2"],
                             capture_output=True, text=True, timeout=300)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
@@ -178,7 +178,7 @@ def test_not_ready_is_printed_only_through_the_reasons():
 
 
 def test_troubleshooting_table_has_every_reason_and_its_fix():
-    from pcourse.workshop.render import troubleshooting
+    from pcourse.tools.workshop.render import troubleshooting
 
     rows = [r for r in troubleshooting().splitlines()[2:]]
     codes = [re.match(r"\| `([\w-]+)` \|", r).group(1) for r in rows]
@@ -272,7 +272,7 @@ def test_the_versions_name_any_cupy_wheel(monkeypatch, installed, shown):
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_one_engine_checks_the_nccl_backends_on_a_gpu():
-    result = subprocess.run([sys.executable, "-m", "pcourse.checks.setup_check", "-n", "1"],
+    result = subprocess.run([sys.executable, "-m", "pcourse.tools.checks.setup_check", "-n", "1"],
                             capture_output=True, text=True, timeout=300)
     out = result.stdout
     assert result.returncode == 0 and out.strip().splitlines()[-1] == "READY", out + result.stderr

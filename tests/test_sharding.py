@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from pcourse.cluster.launch import kill_group
 from pcourse.collectives import chunk_bounds, half_cost_terms
 from pcourse.sharding import (
     FullyShardedDataParallel,
@@ -20,6 +19,7 @@ from pcourse.sharding import (
     state_bytes,
     theory_bytes,
 )
+from pcourse.tools.cluster.launch import kill_group
 
 SLOW_P = [3, *(pytest.param(p, marks=pytest.mark.slow) for p in (2, 4))]
 
@@ -121,7 +121,7 @@ def test_bad_arguments_say_what_to_do(one_rank) -> None:
 
 
 def test_the_benchmark_says_whether_each_target_is_met() -> None:
-    from pcourse.bench.sharding import targets
+    from pcourse.tools.bench.sharding import targets
 
     rows = [{"workload": "franke", "ranks": 2, "strategy": s, "median_ms": ms}
             for s, ms in (("ddp", 10.0), ("zero1", 10.5), ("zero2", 9.0), ("torch-zero", 10.0),

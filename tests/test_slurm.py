@@ -26,9 +26,9 @@ from conftest import REPO, cluster_processes
 from nbclient import NotebookClient
 from slurm_node import HELD, PARTITION, REQUIRE, OneNodeSlurm, unavailable
 
-from pcourse.cluster import ClusterError, start_cluster, stop_cluster
-from pcourse.cluster import engines as cl
-from pcourse.cluster.slurm import job_state
+from pcourse.tools.cluster import ClusterError, start_cluster, stop_cluster
+from pcourse.tools.cluster import engines as cl
+from pcourse.tools.cluster.slurm import job_state
 
 pytestmark = pytest.mark.mpi
 DEADLINE = 60.0  # seconds for anything Slurm does here, on a loaded 2-core machine
@@ -100,7 +100,7 @@ def test_engines_are_a_slurm_job_and_stop_cancels_it(on_slurm):
 
 @pytest.mark.slow
 def test_the_setup_check_reads_ready_through_slurm(on_slurm, capsys):
-    from pcourse.checks import setup_check
+    from pcourse.tools.checks import setup_check
 
     assert setup_check.run(2)
     out = capsys.readouterr().out

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pcourse import step_model
-from pcourse.bench import trace
+from pcourse.tools.bench import trace
 
 
 def test_one_bucket_is_all_exposed_and_no_overlap_is_the_sum() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pcourse.bench import steps as stepbench
+from pcourse.tools.bench import steps as stepbench
 
 
 def make_model(workload: str):

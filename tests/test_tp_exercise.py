@@ -1,4 +1,4 @@
-"""Exercise 09's references (pcourse.grading.refs), checked against the course's own
+"""Exercise 09's references (pcourse.tools.grading.refs), checked against the course's own
 tensor parallelism: the grader's answer and lesson 11's module must agree on every block.
 
 The exercise itself is graded in tests/test_grading.py (its solution and wrong answers).
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pcourse.grading import refs
 from pcourse.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from pcourse.tools.grading import refs
 
 
 @pytest.mark.parametrize("tp", [2, 3, 4])

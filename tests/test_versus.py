@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pcourse.bench import versus
-from pcourse.cluster import launch
+from pcourse.tools.bench import versus
+from pcourse.tools.cluster import launch
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The taught wing is what the lessons show.
 
 Every ``show_source`` target of every lesson, exercise and solution is defined in a taught
-module (:func:`pcourse.workshop.shown.layer`: the wall, written once), apart from the few
+module (:func:`pcourse.tools.workshop.shown.layer`: the wall, written once), apart from the few
 named in :data:`EXCEPTIONS`, each with its reason. ``.ci/lesson_lines.py`` counts what the
 lessons show: checked here against the notebooks' text and an independent count of lines.
 """
@@ -22,30 +22,25 @@ from pathlib import Path
 
 import pytest
 
-from pcourse.workshop import shown
-from pcourse.workshop.course import FOLDERS
+from pcourse.tools.workshop import shown
+from pcourse.tools.workshop.course import FOLDERS
 
 REPO = Path(__file__).resolve().parents[1]
 
 # What a lesson shows from outside the taught wing, on purpose: qualified name -> why
 EXCEPTIONS = {
-    "pcourse.cluster.netns.create":
+    "pcourse.tools.cluster.netns.create":
         "lesson 09 shows how two network namespaces stand in for two nodes: the stand-in "
         "is the lesson's apparatus (a laptop has one node), not what it teaches",
-    "pcourse.cluster.netns.run_allreduce":
+    "pcourse.tools.cluster.netns.run_allreduce":
         "lesson 09 shows how its allreduce runs across the stand-in nodes, for the same reason",
 }
-# >>> pending: shown from outside the taught wing until the relayout (issue 33) moves them in
-PENDING = {"pcourse.runtime.agree.agree", "pcourse.runtime.bootstrap.rendezvous",
-           "pcourse.runtime.bootstrap._pick_port", "pcourse.bench.commbench.time_call",
-           "pcourse.bench.trace.record_step", "pcourse.bench.trace.record_progress"}
-# <<< pending
 
 
 def outside_the_wing(found: list[shown.Shown]) -> dict[str, list[str]]:
     """Shown name -> where it is shown, for every target outside the taught wing that is
     not an exception."""
-    allowed = EXCEPTIONS.keys() | PENDING
+    allowed = EXCEPTIONS.keys()
     outside: dict[str, list[str]] = {}
     for s in found:
         if shown.layer(s.module) != "taught" and s.name not in allowed:
@@ -125,10 +120,11 @@ def _notebook(root: Path, *cells: str) -> Path:
 
 
 def test_the_check_fails_on_a_tool_a_lesson_shows(tmp_path):
-    _notebook(tmp_path, "%matplotlib inline\nfrom pcourse.workshop.course import entries",
+    _notebook(tmp_path, "%matplotlib inline\nfrom pcourse.tools.workshop.course import entries",
               "from pcourse.utils.show import show_source\nshow_source(entries)")
     outside = outside_the_wing(shown.shown(tmp_path))
-    assert outside == {"pcourse.workshop.course.entries": ["notebooks/01_made_up.ipynb, cell 1"]}
+    assert outside == {"pcourse.tools.workshop.course.entries": ["notebooks/01_made_up.ipynb, "
+                                                                 "cell 1"]}
 
 
 def test_names_are_followed_through_aliases_and_modules(tmp_path):
@@ -156,7 +152,7 @@ def test_a_target_that_cannot_be_read_is_named_with_its_cell(tmp_path, cells, sa
 @pytest.mark.parametrize("module, side", [
     ("pcourse.buckets", "taught"), ("pcourse.backends.mpi", "taught"),
     ("pcourse.runtime.ranks", "runtime"), ("pcourse.utils.show", "runtime"),
-    ("pcourse.cluster.netns", "tooling"), ("pcourse.bench", "tooling"),
+    ("pcourse.tools.cluster.netns", "tooling"), ("pcourse.tools.bench", "tooling"),
     ("pcourse.benchmarks_of_a_lesson", "taught"), ("torch.nn", "outside")])
 def test_the_wall_is_drawn_by_prefix(module, side):
     assert shown.layer(module) == side

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from pcourse.bench import scaling as bench
-from pcourse.cluster.launch import mpirun
 from pcourse.loop import batch_sizes, local_batches, train
+from pcourse.tools.bench import scaling as bench
+from pcourse.tools.cluster.launch import mpirun
 from pcourse.workloads import mnist
 from pcourse.workloads.franke import (
     DOMAIN,

@@ -13,7 +13,7 @@ import psutil
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from pcourse.workshop import course, render, timings
+from pcourse.tools.workshop import course, render, timings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def test_generated_tables_are_up_to_date():
     stale = [str(p.relative_to(REPO)) for p, text in render.updated(timings.load(), REPO).items()
              if p.read_text() != text]
     assert not stale, (f"{stale} differ from what course.toml and the stored measurements "
-                       "give; run `python -m pcourse.workshop.timings --render`")
+                       "give; run `python -m pcourse.tools.workshop.timings --render`")
 
 
 def test_every_lesson_and_solution_has_a_quick_mode_time():
@@ -115,7 +115,7 @@ def test_the_engines_column_follows_the_notebooks_code(tmp_path):
         new_code_cell("FULL = False\nN_ENGINES = 4 if FULL else 2"),
         new_code_cell("mc = start_cluster(N_ENGINES)"),
         new_code_cell("%%px\nx = start_cluster(99)"),  # magics: not Python, not read
-        new_code_cell("mc = pcourse.cluster.start_cluster(3, timeout=60)\nstart_cluster()")])
+        new_code_cell("mc = pcourse.tools.cluster.start_cluster(3, timeout=60)\nstart_cluster()")])
     nbformat.write(nb, tmp_path / "a.ipynb")
     assert render.engines_started(tmp_path, Path("a.ipynb"), full=False) == [2, 3, None]
     assert render.engines_started(tmp_path, Path("a.ipynb"), full=True) == [4, 3, None]
@@ -172,7 +172,7 @@ def _course(tmp: Path) -> Path:
 @pytest.mark.mpi
 def test_timing_script_measures_renders_and_leaves_nothing_running(tmp_path):
     root = _course(tmp_path)
-    result = subprocess.run([sys.executable, "-m", "pcourse.workshop.timings", "--root",
+    result = subprocess.run([sys.executable, "-m", "pcourse.tools.workshop.timings", "--root",
                              str(root), "--cell-timeout", "120"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -61,7 +61,7 @@ def make_backend(name: str, *, comm: Any = None, device: Any = None,
 
     ``comm``: the MPI communicator whose ranks take part (default: every rank; a part
     of the job from ``Split`` works for every backend; for torch's, every rank of the
-    job makes its own part's backend at the same time: :mod:`pcourse.runtime.bootstrap`);
+    job makes its own part's backend at the same time: :mod:`pcourse.backends.bootstrap`);
     ``device``: where its tensors live (default: the rank's GPU for NCCL, else the CPU);
     ``timeout``: seconds a collective may wait for a peer (default: the course's).
     Raises BackendUnavailable, with the reason, where this machine cannot run it.

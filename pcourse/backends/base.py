@@ -6,7 +6,7 @@ root, wait at a barrier. :class:`Backend` is exactly that, so the training code,
 the benchmarks and the notebooks never care which library runs underneath.
 
 Every collective first checks, on every rank, that all ranks passed the same length
-and dtype (and op, or root), with one tiny allreduce (:func:`pcourse.runtime.agree.agree`):
+and dtype (and op, or root), with one tiny allreduce (:func:`pcourse.agree.agree`):
 a mismatch is the same clear error on every rank instead of a hang or garbage.
 Callers that already know the ranks agree, such as a bucket layout checked once,
 pass ``check=False``.
@@ -39,7 +39,7 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only: listing the backends loads no torch
     import torch
 
-from pcourse.runtime.agree import MismatchError, checked_then_agreed
+from pcourse.agree import MismatchError, checked_then_agreed
 from pcourse.runtime.ranks import BackendUnavailable
 
 OPS = ("sum", "avg", "max", "min", "prod")
@@ -216,7 +216,7 @@ class Backend(ABC):
     def _agree(self, tensor: torch.Tensor, check: bool, *, op: str | None = None,
                root: int | None = None) -> None:
         """Local checks, then (``check``) one tiny allreduce: every rank passed the same
-        (:func:`pcourse.runtime.agree.checked_then_agreed`)."""
+        (:func:`pcourse.agree.checked_then_agreed`)."""
         import torch  # here, not at import: listing the backends loads no torch
 
         kind, last = ("allreduce", "op") if root is None else ("broadcast", "root")

@@ -38,7 +38,7 @@ from pcourse.backends.base import (
     collective_timeout,
     private_comm,
 )
-from pcourse.runtime.bootstrap import socket_ifname
+from pcourse.backends.bootstrap import socket_ifname
 from pcourse.runtime.ranks import pick_gpu
 from pcourse.runtime.waits import CollectiveTimeout, wait_until
 

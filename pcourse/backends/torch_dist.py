@@ -8,7 +8,7 @@ from, the first of these that applies:
    torchrun's variables are set: torch's own default group (``env://`` under torchrun).
    So the backends work under ``torchrun`` and ``torch.multiprocessing`` without MPI.
 3. Otherwise MPI (``comm``, default COMM_WORLD) gives rank and size, and rank 0 opens
-   the store and broadcasts where it is: :func:`pcourse.runtime.bootstrap.rendezvous`,
+   the store and broadcasts where it is: :func:`pcourse.backends.bootstrap.rendezvous`,
    which also says how the address and port are chosen.
 
 In cases 2 and 3 each backend object gets its *own* group on top of torch's default
@@ -18,7 +18,7 @@ gloo object can all live at once. In case 3 ``comm`` may be any part of the job 
 ``new_group`` over its members, numbered as ``comm`` numbers them, and backends of
 different membership live side by side. Making one is collective over every rank of
 the default group, each passing its own part (the rule, and why, is in
-:mod:`pcourse.runtime.bootstrap`). Pass ``backend.group`` to code that takes a
+:mod:`pcourse.backends.bootstrap`). Pass ``backend.group`` to code that takes a
 process group (DDP's ``process_group=``).
 
 Every collective has a deadline: ``timeout`` (default:
@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from pcourse.backends import bootstrap
 from pcourse.backends.base import (
     AsyncBackend,
     BackendUnavailable,
@@ -47,7 +48,6 @@ from pcourse.backends.base import (
     collective_timeout,
     private_comm,
 )
-from pcourse.runtime import bootstrap
 from pcourse.runtime.ranks import launcher, pick_gpu
 from pcourse.runtime.waits import poll_work, wait_work
 

@@ -2,9 +2,8 @@
 
 ``ranks`` tells a process its rank and device (and picks a GPU per rank); ``waits``
 makes every wait on a peer interruptible and bounded (one exception,
-:class:`~pcourse.runtime.waits.CollectiveTimeout`); ``agree`` has the ranks check that
-they called a collective alike; ``bootstrap`` is where torch.distributed's ranks meet;
-``reaping`` finds the processes a run marked, ends them, and sweeps what MPI left in
-``/dev/shm``; ``private`` reads the names torch, ipyparallel and ipykernel do not
-promise to keep. Nothing here imports the lessons' modules or the tools.
+:class:`~pcourse.runtime.waits.CollectiveTimeout`); ``private`` reads the names torch,
+ipyparallel and ipykernel do not promise to keep. No lesson shows this layer (what
+they show is taught: ``agree``, ``backends.bootstrap``); nothing here imports the
+lessons' modules or the tools.
 """

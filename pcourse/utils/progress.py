@@ -10,7 +10,7 @@ every saved output. :class:`Bar` serves both, wherever the code runs:
   comparison keeps anything of it;
 - **on an ipyparallel engine** (rank 0 of a training run): the state is published
   with ipyparallel's ``publish_data``; the notebook's blocking ``apply`` shows it in
-  such a display (:func:`pcourse.cluster.engines` watches :func:`latest`);
+  such a display (:func:`pcourse.tools.cluster.engines` watches :func:`latest`);
 - **in a terminal**: a tqdm bar on stderr that clears itself. Elsewhere (pipes,
   logs, tests): nothing.
 """

@@ -31,8 +31,8 @@ from pcourse.backends import (
     backend_class,
     make_backend,
 )
-from pcourse.checks.gpu_check import all_ranks_ok, check_allreduce, table
 from pcourse.runtime.ranks import launcher, mpi_local_rank
+from pcourse.tools.checks.gpu_check import all_ranks_ok, check_allreduce, table
 
 LAST = SIZE - 1
 BASIC = (torch.float32, torch.float64, torch.int32, torch.int64)

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from pcourse.grading.trials import CountingComm, DeadlockError, on_ranks, subworld, world
+from pcourse.tools.grading.trials import CountingComm, DeadlockError, on_ranks, subworld, world
 
 WORLD = MPI.COMM_WORLD
 TIMEOUT = 1.0

@@ -1,7 +1,7 @@
 """Run under mpiexec with at most one rank per GPU: both NCCL backends on this machine's GPUs.
 
 ``check_nccl.py``: every op of a few dtypes and sizes against MPI's own Allreduce
-(:func:`pcourse.checks.gpu_check.check_allreduce`), broadcasts from the last rank of
+(:func:`pcourse.tools.checks.gpu_check.check_allreduce`), broadcasts from the last rank of
 0-dim tensors (dtypes NCCL has, and for nccl-cupy dtypes it lacks, which travel as
 bytes), a barrier, and a close; at one rank that checks the plumbing, not a reduction,
 and it says so. ``check_nccl.py --timeout-raises`` (2 ranks or more): rank 0 waits at a
@@ -21,7 +21,7 @@ from harness import RANK, SIZE, WORLD, expect, verdict
 from mpi4py import MPI
 
 from pcourse.backends import make_backend, unavailable_reason
-from pcourse.checks.gpu_check import all_ranks_ok, check_allreduce, table
+from pcourse.tools.checks.gpu_check import all_ranks_ok, check_allreduce, table
 
 GPU_BACKENDS = ("nccl", "nccl-cupy")
 DTYPES = (torch.float32, torch.float16, torch.int64)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from pcourse.bench.jobs import BenchError, RankGroups
+from pcourse.tools.bench.jobs import BenchError, RankGroups
 
 WORLD = MPI.COMM_WORLD
 size = WORLD.size

@@ -1,9 +1,0 @@
-"""The course as a static website (``make book``): for readers, before they install anything.
-
-:mod:`pcourse.book.build` lays out the pages (the index, the lessons in the order of
-the lesson registry, :mod:`pcourse.workshop.course`, the exercises without their
-solutions, the README, the instructor's guide) and renders
-them with Sphinx and MyST-NB from the notebooks' stored outputs: nothing is executed,
-so the site shows what a learner's quick-mode run shows, and builds in seconds.
-CONTRIBUTING.md says why these tools.
-"""

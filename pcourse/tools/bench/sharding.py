@@ -1,0 +1,271 @@
+"""Sharded training beside torch's own: ``python -m pcourse.tools.bench sharding [options]``.
+
+On Gloo, for Franke's net and the VAE at each rank count, one training step (AdamW)
+of: DDP (torch's), our ZeRO-1 and ZeRO-2 (:class:`pcourse.sharding.ShardedOptimizer`)
+and torch's ``ZeroRedundancyOptimizer`` (under DDP, as torch documents it), our FSDP
+(:class:`pcourse.sharding.FullyShardedDataParallel`, every ``nn.Linear`` a unit) and
+FSDP2's ``fully_shard`` (the same units). First every strategy trains the same steps
+from the same start, and the largest difference of its parameters from DDP's is
+recorded (the updates are the same up to float32 rounding); then the strategies
+take turns in rounds, timed. Writes a CSV with the median step time and its ratio
+to DDP's, and a plot beside it, and prints the targets (ours against DDP and against
+torch's) as met or not: a benchmark's figures, never a test's verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pcourse.runtime.ranks import launcher
+from pcourse.tools.bench import jobs
+from pcourse.utils.io import NotWritable, check_writable, save, write_csv
+
+STRATEGIES = ("ddp", "zero1", "zero2", "torch-zero", "fsdp", "torch-fsdp2")
+FIELDS = ["workload", "ranks", "strategy", "steps", "median_ms", "ratio_to_ddp",
+          "max_diff_vs_ddp"]
+# (ours, theirs, at most this ratio, only at these rank counts or None)
+TARGETS = (("zero1", "ddp", 1.1, None), ("zero1", "torch-zero", 1.0, None),
+           ("zero2", "torch-zero", 1.0, None), ("fsdp", "torch-fsdp2", 1.0, (2,)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    ranks: tuple[int, ...] = (2, 4)
+    workloads: tuple[str, ...] = ("franke", "vae")
+    steps: int = 10  # timed steps per strategy and round
+    rounds: int = 3
+    check_steps: int = 3  # steps trained before the parameters are compared with DDP's
+
+    @classmethod
+    def quick(cls) -> Spec:
+        return cls(ranks=(2,), workloads=("franke",), steps=3, rounds=2, check_steps=2)
+
+
+def _model_and_loss(workload: str) -> tuple[Any, Any]:
+    """A fresh model (same start on every rank) and ``loss(model, rank, step)`` on fixed data."""
+    import torch
+
+    if workload == "franke":
+        from pcourse.workloads.franke import franke, make_model
+
+        def loss(model: Any, rank: int, step: int) -> Any:
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            xy = torch.rand(256, 2, generator=g)
+            return torch.nn.functional.mse_loss(model(xy), franke(xy[:, :1], xy[:, 1:]))
+
+        return make_model, loss
+    from pcourse.workloads.vae import make_model as vae_model
+    from pcourse.workloads.vae import vae_loss
+
+    def vloss(model: Any, rank: int, step: int) -> Any:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, eps = torch.rand(128, 784, generator=g), torch.randn(128, 2, generator=g)
+        logits, mu, logvar = model(x, eps)
+        return vae_loss(logits, x, mu, logvar)
+
+    return vae_model, vloss
+
+
+def build(strategy: str, make_model: Any, backend: Any) -> tuple[Any, Any, Any]:
+    """(module to call, optimizer, what to call after backward) for one strategy."""
+    import torch
+    from torch import nn
+
+    from pcourse.sharding import FullyShardedDataParallel, ShardedOptimizer
+
+    model, group = make_model(), backend.group
+    if strategy == "ddp":
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+        return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), None
+    if strategy in ("zero1", "zero2"):
+        opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, backend,
+                               stage=int(strategy[-1]), lr=1e-3)
+        return model, opt, None
+    if strategy == "torch-zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, process_group=group,
+                                      lr=1e-3)
+        return ddp, opt, None
+    if strategy == "fsdp":
+        fsdp = FullyShardedDataParallel(model, backend, shard=nn.Linear)
+        return fsdp, torch.optim.AdamW(fsdp.parameters(), lr=1e-3), fsdp.finish
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), None
+
+
+def full_params(strategy: str, module: Any) -> list:
+    """Every parameter, whole, in the model's order (collective for the FSDPs)."""
+    if strategy == "fsdp":
+        return list(module.full_parameters().values())
+    if strategy == "torch-fsdp2":
+        return [p.full_tensor().detach().clone() for _, p in sorted(module.named_parameters())]
+    inner = getattr(module, "module", module)
+    return [p.detach().clone() for _, p in sorted(inner.named_parameters())]
+
+
+def one_step(module: Any, opt: Any, finish: Any, loss: Any, rank: int, step: int) -> None:
+    opt.zero_grad()
+    loss(module, rank, step).backward()
+    if finish is not None:
+        finish()
+    opt.step()
+
+
+def measure_ranks(comm: Any, spec: Spec, progress: jobs.Progress) -> None:
+    """Every strategy on every workload on this communicator; rows to ``progress``."""
+    from pcourse.backends import make_backend
+
+    backend = make_backend("gloo", comm=comm)
+    try:
+        for workload in spec.workloads:
+            make_model, loss = _model_and_loss(workload)
+            built = {s: build(s, make_model, backend) for s in STRATEGIES}
+            for step in range(spec.check_steps):  # the same steps, from the same start
+                for s in STRATEGIES:
+                    one_step(*built[s], loss, comm.rank, step)
+            ref = full_params("ddp", built["ddp"][0])
+            diffs = {s: max((a - b).abs().max().item()
+                            for a, b in zip(full_params(s, built[s][0]), ref, strict=True))
+                     for s in STRATEGIES}
+            times: dict[str, list[float]] = {s: [] for s in STRATEGIES}
+            for round_ in range(spec.rounds):
+                for s in STRATEGIES:
+                    for k in range(spec.steps):
+                        comm.Barrier()
+                        t0 = time.perf_counter()
+                        one_step(*built[s], loss, comm.rank, spec.check_steps + k)
+                        secs = time.perf_counter() - t0  # the slowest rank's
+                        times[s].append(float(comm.allreduce(secs, op=_max())))
+                progress.done(f"{workload} ×{comm.size}: round {round_ + 1}/{spec.rounds}", [])
+            ms = {s: statistics.median(t) * 1e3 for s, t in times.items()}
+            rows = [{"workload": workload, "ranks": comm.size, "strategy": s,
+                     "steps": len(times[s]), "median_ms": round(ms[s], 3),
+                     "ratio_to_ddp": round(ms[s] / ms["ddp"], 3),
+                     "max_diff_vs_ddp": f"{diffs[s]:.2e}"} for s in STRATEGIES]
+            progress.done(f"{workload} ×{comm.size}: done", rows)
+            del built
+    finally:
+        import gc
+
+        gc.collect()  # DDP and FSDP2 hold the group
+        comm.Barrier()
+        backend.close()
+        comm.Barrier()
+
+
+def _max() -> Any:
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def measure(comm: Any, spec: Spec, progress: jobs.Progress) -> None:
+    progress.total = len(spec.ranks) * len(spec.workloads) * (spec.rounds + 1)
+    with jobs.RankGroups(comm, spec.ranks) as groups:
+        for p in spec.ranks:
+            groups.run(p, lambda sub: measure_ranks(sub, spec, progress))
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """Each target, as met or not, from the rows (never asserted)."""
+    lines = []
+    med = {(r["workload"], r["ranks"], r["strategy"]): float(r["median_ms"]) for r in rows}
+    for ours, theirs, bound, only in TARGETS:
+        for (w, p, s), ms in sorted(med.items()):
+            if s != ours or (only and p not in only) or (w, p, theirs) not in med:
+                continue
+            ratio = ms / med[w, p, theirs]
+            lines.append(f"target {ours} ≤ {bound:g}× {theirs} ({w}, {p} ranks): "
+                         f"{ratio:.2f}× — {'met' if ratio <= bound else 'NOT met'}")
+    return lines
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pcourse.utils.io import savefig_atomic
+
+    groups = sorted({(r["workload"], r["ranks"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.8), squeeze=False,
+                             layout="constrained")
+    for ax, (w, p) in zip(axes[0], groups, strict=True):
+        mine = [r for r in rows if (r["workload"], r["ranks"]) == (w, p)]
+        ax.barh([r["strategy"] for r in mine], [float(r["ratio_to_ddp"]) for r in mine],
+                color=["C0" if "torch" in r["strategy"] or r["strategy"] == "ddp" else "C1"
+                       for r in mine])
+        ax.axvline(1.0, color="k", ls="--", lw=0.8)
+        ax.invert_yaxis()
+        ax.set(title=f"{w}, {p} ranks, Gloo", xlabel="step time / DDP's (median)")
+    return savefig_atomic(fig, path)
+
+
+def report(rows: list[dict], out: str) -> None:
+    print(f"{'workload':8} {'p':>2} {'strategy':12} {'median ms':>10} {'× DDP':>7} "
+          f"{'max |Δ| vs DDP':>15}")
+    for r in rows:
+        print(f"{r['workload']:8} {r['ranks']:>2} {r['strategy']:12} {r['median_ms']:>10} "
+              f"{r['ratio_to_ddp']:>7} {r['max_diff_vs_ddp']:>15}")
+    for line in targets(rows):
+        print(line)
+    print(f"wrote {save(out, lambda path: write_csv(path, rows, FIELDS))}")
+    print(f"wrote {save(Path(out).with_suffix('.png'), lambda path: plot(rows, path))}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pcourse.tools.bench sharding",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", nargs="+", type=int, default=None, help="default: 2 4")
+    p.add_argument("--workloads", nargs="+", choices=["franke", "vae"], default=None)
+    p.add_argument("--steps", type=int, default=None, help="timed steps per strategy and round")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="2 ranks, Franke, few steps")
+    p.add_argument("--out", default="results/sharding.csv", help="the CSV (a .png beside it)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds for the MPI job")
+    p.add_argument("--oversubscribe", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    base = Spec.quick() if args.quick else Spec()
+    spec = dataclasses.replace(base, **{k: (tuple(v) if isinstance(v, list) else v)
+                                        for k in ("ranks", "workloads", "steps", "rounds")
+                                        if (v := getattr(args, k)) is not None})
+    if launcher() == "mpi":
+        jobs.rank_main(measure, spec, lambda outcome: report(outcome.rows, args.out))
+    try:
+        note = jobs.check_ranks(spec.ranks, args.oversubscribe)
+        check_writable(args.out, "file")
+    except (jobs.BenchError, NotWritable) as exc:
+        parser().error(f"{exc}\nNothing was started.")
+    if note:
+        print(note)
+    return jobs.launch_and_report(
+        "pcourse.tools.bench.sharding", argv, max(spec.ranks), timeout=args.timeout,
+        partial=Path(args.out).with_suffix(".partial.csv"),
+        write=lambda path, rows: write_csv(path, rows, FIELDS),
+        report=lambda outcome: report(outcome.rows, args.out), what="sharding benchmark",
+        env={"OMP_NUM_THREADS": "1"})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Two "nodes" on one machine: network namespaces joined by a veth pair.
+
+A network namespace is a private copy of the network stack: its own interfaces,
+addresses, routes and ports. Two of them, joined by a virtual Ethernet cable (a
+veth pair), behave like two hosts on a small LAN:
+
+    namespace pc-a-<tag>            namespace pc-b-<tag>
+    veth-a 10.77.0.1/24  <-- cable -->  veth-b 10.77.0.2/24
+
+A process started with ``ip netns exec NAME ...`` sees only its namespace's
+interfaces, so a 2-rank torch.distributed job with one rank in each must find its
+peer over the veth, exactly as ranks on two nodes must find each other over the
+cluster network, and ``GLOO_SOCKET_IFNAME`` must name an interface that exists
+*in that rank's namespace*. Nothing here touches the host's own network: the
+addresses exist only inside the namespaces this module creates and deletes.
+
+Needs Linux, root and iproute2's ``ip``; :func:`unavailable_reason` says why not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pcourse.tools.cluster.launch import ends_with_launcher, kill_group
+from pcourse.tools.cluster.reaping import owner_alive
+
+ADDRESSES = ("10.77.0.1", "10.77.0.2")
+IFNAMES = ("veth-a", "veth-b")
+KILL_MARGIN = 8.0  # seconds past the rendezvous timeout before a rank is killed
+PORT = 29500  # free by construction: nothing else lives in a namespace we just made
+_NAME = re.compile(r"^pc-[ab]-(\d+)$")  # pc-a-<pid>: ours, and whose
+
+
+class NetnsUnavailable(RuntimeError):
+    """Network namespaces cannot be used here; the message says why."""
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Two namespaces joined by a veth pair: ``names[i]`` has ``ifnames[i]``, ``addrs[i]``."""
+
+    names: tuple[str, str]
+    ifnames: tuple[str, str] = IFNAMES
+    addrs: tuple[str, str] = ADDRESSES
+
+
+def _ip(*args: str, timeout: float = 10.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def unavailable_reason() -> str:
+    """Why this machine cannot create namespaces; empty when it can (tries, then cleans up)."""
+    if not sys.platform.startswith("linux"):
+        return f"network namespaces are a Linux feature; this is {sys.platform}"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is missing: apt-get install iproute2"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root (this process is not root)"
+    probe = f"pc-a-{os.getpid()}"
+    made = _ip("netns", "add", probe)
+    if made.returncode != 0:
+        return f"`ip netns add` is not permitted here: {made.stderr.strip()}"
+    _ip("netns", "del", probe)
+    return ""
+
+
+def list_ours() -> list[str]:
+    """Namespaces this module created (by name), from any process."""
+    out = _ip("netns", "list")
+    names = [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
+    return [n for n in names if _NAME.match(n)]
+
+
+def cleanup(names: Sequence[str] | None = None) -> list[str]:
+    """Delete namespaces (their veth ends go with them); return those deleted.
+
+    Without ``names``: ours whose creating process is gone, e.g. after a crash
+    or a killed kernel, so a rerun starts clean. Others' namespaces are never touched.
+    """
+    if names is None:
+        names = [n for n in list_ours() if not owner_alive(int(_NAME.match(n).group(1)))]
+    deleted = []
+    for name in names:
+        if _ip("netns", "del", name).returncode == 0:
+            deleted.append(name)
+    return deleted
+
+
+def create(tag: int | None = None) -> Nodes:
+    """Make the two namespaces and the veth pair between them; raise with the reason."""
+    reason = unavailable_reason()
+    if reason:
+        raise NetnsUnavailable(reason)
+    tag = os.getpid() if tag is None else tag
+    nodes = Nodes((f"pc-a-{tag}", f"pc-b-{tag}"))
+    cleanup(nodes.names)  # leftovers of an earlier run in this process
+    a, b = nodes.names
+    steps = [("netns", "add", a), ("netns", "add", b),
+             # created directly inside the namespaces: the host never sees the pair
+             ("link", "add", nodes.ifnames[0], "netns", a, "type", "veth",
+              "peer", "name", nodes.ifnames[1], "netns", b)]
+    for ns, ifname, addr in zip(nodes.names, nodes.ifnames, nodes.addrs, strict=True):
+        steps += [("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname),
+                  ("-n", ns, "link", "set", ifname, "up"),
+                  ("-n", ns, "link", "set", "lo", "up")]
+    for step in steps:
+        done = _ip(*step)
+        if done.returncode != 0:
+            cleanup(nodes.names)
+            raise NetnsUnavailable(f"`ip {' '.join(step)}` failed: {done.stderr.strip()}")
+    return nodes
+
+
+@dataclass
+class RankOutcome:
+    """What one rank process reported (``result``) or why it failed (``error``)."""
+
+    rank: int
+    namespace: str
+    ifname: str
+    result: list[float] | None
+    address: str | None  # the address Gloo chose for this rank
+    error: str | None
+    seconds: float | None
+
+
+def run_allreduce(nodes: Nodes, ifnames: Sequence[str] | None = None, timeout: float = 20.0,
+                  port: int = PORT) -> list[RankOutcome]:
+    """A 2-rank Gloo allreduce of ``rank + 1``, one rank per namespace; outcomes in rank order.
+
+    Rendezvous is torch's ``env://``: RANK, WORLD_SIZE, MASTER_ADDR (the first
+    namespace's address), MASTER_PORT. ``ifnames`` sets each rank's
+    GLOO_SOCKET_IFNAME (default: its veth). Both ranks have ``timeout`` seconds to
+    meet; their processes are killed and reaped whatever happens.
+    """
+    ifnames = list(ifnames or nodes.ifnames)
+    procs = []
+    with ends_with_launcher():  # a SIGTERM to us ends the ranks too
+        try:
+            for rank, ns in enumerate(nodes.names):
+                env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
+                       "MASTER_ADDR": nodes.addrs[0], "MASTER_PORT": str(port),
+                       "GLOO_SOCKET_IFNAME": ifnames[rank], "PCOURSE_NETNS_TIMEOUT": str(timeout)}
+                cmd = ["ip", "netns", "exec", ns, sys.executable, "-m",
+                       "pcourse.tools.cluster.netns"]
+                procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True,
+                                              start_new_session=True))
+            deadline = time.monotonic() + timeout + KILL_MARGIN  # one deadline for both ranks
+            outputs = [_collect(p, deadline) for p in procs]
+        finally:
+            for p in procs:
+                kill_group(p)
+    return [_outcome(r, nodes.names[r], ifnames[r], out) for r, out in enumerate(outputs)]
+
+
+def _collect(proc: subprocess.Popen, deadline: float) -> str:
+    try:
+        return proc.communicate(timeout=max(0.1, deadline - time.monotonic()))[0]
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        return json.dumps({"error": "no answer by the deadline: killed"})
+
+
+def _outcome(rank: int, ns: str, ifname: str, output: str) -> RankOutcome:
+    lines = [ln for ln in output.splitlines() if ln.startswith("{")]
+    data = json.loads(lines[-1]) if lines else {"error": output.strip()[-500:] or "no output"}
+    return RankOutcome(rank, ns, ifname, data.get("result"), data.get("address"),
+                       data.get("error"), data.get("seconds"))
+
+
+# (pattern in the error, what it means): the checklist of notebook 09, in code.
+_DIAGNOSES = (
+    ("Unable to find address for", "GLOO_SOCKET_IFNAME names no interface in this rank's "
+                                   "namespace (node): check `ip -o addr` on that node"),
+    ("killed", "no answer before the deadline: waiting for a peer it cannot reach"),
+    ("timed out", "timed out connecting: the address it was given is not reachable from the "
+                  "peer (wrong interface, firewall, or a loopback address)"),
+    ("Connection refused", "connection refused: nobody listens there (wrong address or port, "
+                           "or the peer already gave up)"),
+    ("Connection was likely closed", "the peer closed the connection: it failed first, "
+                                     "read its error"),
+)
+
+
+def diagnose(outcome: RankOutcome) -> str:
+    """One line on what went wrong for this rank, or "ok" (stable across runs)."""
+    if outcome.error is None:
+        return "ok"
+    for pattern, meaning in _DIAGNOSES:
+        if pattern in outcome.error:
+            return meaning
+    return "unrecognised error: read the message"
+
+
+def _rank_main() -> None:
+    """One rank, inside its namespace: rendezvous, allreduce, report one JSON line."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    rank, start = int(os.environ["RANK"]), time.monotonic()
+    timeout = float(os.environ.get("PCOURSE_NETNS_TIMEOUT", "20"))
+    try:
+        dist.init_process_group("gloo", init_method="env://",
+                                timeout=timedelta(seconds=timeout))
+        t = torch.full((4,), float(rank + 1))
+        dist.all_reduce(t)
+        report = {"result": t.tolist(), "address": _my_address()}
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
+        report = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+    report["seconds"] = round(time.monotonic() - start, 2)
+    print(json.dumps(report), flush=True)
+
+
+def _my_address() -> str:
+    """The IPv4 address of GLOO_SOCKET_IFNAME in this namespace (what Gloo binds to)."""
+    out = _ip("-4", "-o", "addr", "show", "dev", os.environ["GLOO_SOCKET_IFNAME"]).stdout
+    found = re.search(r"inet (\S+)/", out)
+    return found.group(1) if found else "?"
+
+
+if __name__ == "__main__":
+    _rank_main()

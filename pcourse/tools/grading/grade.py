@@ -1,0 +1,479 @@
+"""Grade exercise notebooks, or a whole class, and say in plain words what failed.
+
+``python -m pcourse.tools.grading.grade [notebooks...]`` grades the given notebooks (default:
+every notebook in exercises/) and prints one row per notebook::
+
+    exercise                  checks  first failure
+    01_partitioner            4/4     -
+    02_average_gradients      0/4     check 1/4: not solved yet (NotImplementedError) ...
+
+``python -m pcourse.tools.grading.grade --class DIR`` grades ``DIR/<learner>/<exercise>.ipynb``
+for every learner (a folder of DIR) and every exercise (a notebook of solutions/):
+one row per learner and exercise, a total per learner, and two CSV files, written
+atomically: ``grades.csv`` (one row per learner and exercise, with the reason) and
+``gradebook.csv`` (one row per learner: checks passed per exercise, and totals).
+While it grades, every row is appended to ``grades.partial.csv`` as soon as it is
+decided, so a grader that dies halfway loses no finished row.
+
+A notebook is never trusted (:mod:`pcourse.tools.grading.submission`): its check cells and
+their expected outputs come from solutions/, only the learner's cells from the file.
+A file that is not a notebook, is missing or renamed, whose cells were moved or whose
+code reaches for the checks gets a row saying so and is not run. The rest run on a
+few workers, each reusing one engine cluster (:mod:`pcourse.tools.grading.runner`), with a
+time limit per notebook; a notebook that hangs, kills its kernel or an engine gets
+a row saying so, and the others are graded all the same. The learner's code runs on
+the engines only, in a PID namespace of their own where the machine allows it (a
+row run without one says so): it cannot signal the grader, its kernels or another
+learner's engines.
+
+A notebook's file name says which exercise it is, in both modes alike
+(:func:`exercise_of`): ``02_average_gradients.ipynb``, or
+``02_average_gradients__anything.ipynb``. A notebook named for no exercise whose
+title is an exercise's gets a row saying it was renamed. Arguments, ``--out``
+included, are checked before anything is graded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import nbformat
+
+from pcourse.tools.grading import lms, submission
+from pcourse.tools.grading.runner import HIDE_ENV, Executed, Job, run_jobs
+from pcourse.tools.grading.verdicts import Grade, explain, outcomes
+from pcourse.utils.io import (
+    NotWritable,
+    check_writable,
+    course_folder,
+    course_from,
+    save,
+    write_csv,
+)
+
+NOTEBOOK_TIMEOUT = 240.0  # seconds per notebook, kernel start included; a setting, not a measure
+JOBS = max(1, (os.cpu_count() or 2) // 2)  # workers: one per two cores (a kernel, 4 engines)
+
+
+# ---------------------------------------------------------------- which exercise, which file
+
+def solutions_of(solutions: Path | None = None) -> Path:
+    """``solutions``, else the course folder's (:func:`pcourse.utils.io.course_folder`)."""
+    return Path(solutions) if solutions is not None else course_folder() / "solutions"
+
+
+def exercises(solutions: Path | None = None) -> dict[str, Path]:
+    return {p.stem: p for p in sorted(solutions_of(solutions).glob("*.ipynb"))}
+
+
+def exercise_of(path: Path, known: dict[str, Path]) -> str | None:
+    """The exercise a file name names: ``NAME.ipynb`` or ``NAME__anything.ipynb``."""
+    stem = Path(path).stem
+    return stem if stem in known else (stem.split("__")[0] if stem.split("__")[0] in known
+                                      else None)
+
+
+def looks_like(path: Path, known: dict[str, Path]) -> str | None:
+    """The exercise whose title a notebook has: what a renamed copy still shows."""
+    title = _title(path)
+    return next((name for name, solution in known.items()
+                 if title is not None and _title(solution) == title), None)
+
+
+def find_submission(name: str, files: list[Path], known: dict[str, Path]
+                    ) -> tuple[Path | None, str, str]:
+    """Which of a learner's ``files`` is exercise ``name``.
+
+    ``(path, "", note)`` when one is: ``NAME.ipynb`` first, else the one
+    ``NAME__anything.ipynb`` (the note names versions left ungraded). Otherwise
+    ``(None, status, reason)``: several versions and none plain, a renamed copy
+    (found by its title), or missing.
+    """
+    named = [f for f in files if exercise_of(f, known) == name]
+    plain = [f for f in named if f.stem == name]
+    if plain or len(named) == 1:
+        chosen = (plain or named)[0]
+        others = [f.name for f in named if f != chosen]
+        return chosen, "", (f"graded {chosen.name}, not {', '.join(others)}" if others else "")
+    if named:
+        return None, "invalid", (f"several versions ({', '.join(f.name for f in named)}) and "
+                                 f"none named {name}.ipynb: keep one, or name it so")
+    unnamed = [f for f in files if exercise_of(f, known) is None]
+    renamed = [f for f in unnamed if looks_like(f, known) == name]
+    if renamed:
+        return None, "renamed", _renamed(renamed[0], name)
+    others = f" (other notebooks there: {', '.join(f.name for f in unnamed)})" if unnamed else ""
+    return None, "missing", f"missing: no {name}.ipynb{others}"
+
+
+def _renamed(path: Path, name: str) -> str:
+    return (f"renamed: {path.name} looks like {name}.ipynb; the grader reads only files "
+            f"named as in exercises/ ({name}.ipynb, or {name}__anything.ipynb)")
+
+
+def _checks(solution: Path) -> int:
+    """How many check cells an exercise has."""
+    return sum(submission.CHECK_TAG in c.metadata.get("tags", [])
+               for c in nbformat.read(solution, as_version=4).cells)
+
+
+def _title(path: Path) -> str | None:
+    """The first line of a notebook's first markdown cell (None if unreadable)."""
+    try:
+        cells = json.loads(Path(path).read_text(encoding="utf-8")).get("cells", [])
+        first = next(c for c in cells if c.get("cell_type") == "markdown")
+        source = "".join(first["source"]) if isinstance(first["source"], list) else first["source"]
+        return source.strip().splitlines()[0]
+    except Exception:  # noqa: BLE001 - any unreadable file simply has no title
+        return None
+
+
+# ---------------------------------------------------------------- grading
+
+def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIMEOUT,
+          solutions: Path | None = None, learners: list[str] | None = None,
+          progress: Callable[[Grade], None] | None = None) -> list[Grade]:
+    """Grade every notebook; one Grade each, in order.
+
+    ``learners`` (one name per notebook) only labels the rows of a class.
+    ``progress(grade)`` hears of every row as soon as it is decided.
+    """
+    progress = progress or (lambda g: None)
+    solutions = solutions_of(solutions)
+    known = exercises(solutions)
+    grades, runnables, todo = [], {}, []
+    for k, path in enumerate(map(Path, notebooks)):
+        name = exercise_of(path, known)
+        g = Grade(path, name or path.stem, learner=learners[k] if learners else "")
+        grades.append(g)
+        if name is None:
+            like = looks_like(path, known)
+            g.status = "renamed" if like else "invalid"
+            g.first_failure = _renamed(path, like) if like else (
+                f"no exercise is named {path.stem!r}: name the file as in exercises/")
+            g.total = _checks(known[like]) if like else 0
+            progress(g)
+            continue
+        g.total = _checks(known[name])
+        solution = nbformat.read(known[name], as_version=4)
+        try:
+            runnable = submission.prepare(submission.read(path), solution, name)
+        except submission.Rejected as exc:
+            g.status, g.first_failure = exc.kind, exc.reason
+            progress(g)
+            continue
+        g.notes = runnable.notes + _isolation_notes()
+        runnables[k] = runnable
+        todo.append(Job(k, runnable.notebook, timeout))
+    def judged(k: int, executed: Executed) -> None:
+        _judge(grades[k], runnables[k], executed, timeout)
+        progress(grades[k])
+
+    previous = os.environ.get(HIDE_ENV)
+    os.environ[HIDE_ENV] = os.pathsep.join(map(str, _hidden_from_engines(solutions, notebooks)))
+    try:
+        run_jobs(todo, workers=jobs, on_result=judged)
+    finally:
+        if previous is None:
+            os.environ.pop(HIDE_ENV, None)
+        else:
+            os.environ[HIDE_ENV] = previous
+    return grades
+
+
+def _hidden_from_engines(solutions: Path, notebooks: list[Path]) -> list[Path]:
+    """What the learner's code must not read: solutions, tests, git history, submissions.
+
+    The folders the notebooks are in, and their parents (a class: every learner's).
+    """
+    course = Path(solutions).resolve().parent
+    found = {Path(solutions).resolve(), course / "tests", course / ".git"}
+    git = course / ".git"
+    if git.is_file():  # a worktree: its history is in the main checkout's .git
+        pointer = git.read_text().partition("gitdir:")[2].strip()
+        if pointer:
+            found.add(Path(pointer).resolve().parents[1])
+    for path in map(Path, notebooks):
+        found |= {path.resolve().parent, path.resolve().parent.parent}
+    package = Path(__file__).resolve().parents[2]
+    needed = [package, Path(sys.prefix).resolve()]  # what the engines import
+    return sorted(p for p in found if p.exists()
+                  and not any(n == p or n.is_relative_to(p) for n in needed))
+
+
+def _isolation_notes() -> list[str]:
+    """What every row run without the engines in a namespace of their own says."""
+    from pcourse.tools.cluster.launch import containment
+
+    prefix, why = containment()
+    return [] if prefix else [f"not isolated: {why}; the learner's code could reach other "
+                              "processes of this user"]
+
+
+def _judge(g: Grade, runnable: submission.Runnable, run: Executed, limit: float) -> None:
+    """Fill in a Grade from what running its notebook printed."""
+    g.seconds = run.seconds
+    g.checks = outcomes(runnable, run)
+    checks = sorted(runnable.checks)
+    number = {cell: k + 1 for k, cell in enumerate(checks)}
+
+    def where(cell: int) -> str:
+        if cell in number:
+            return f"check {number[cell]}/{len(checks)}"
+        return "your code" if cell in runnable.learner else f"cell {cell}"
+
+    g.passed = sum(1 for c in checks if c not in run.errors and
+                   run.stdout.get(c, "").strip() == runnable.checks[c].strip())
+    if run.stopped and run.stopped[0] == "grader":
+        g.status, g.first_failure = "error", f"the grader could not run it: {run.detail}"
+        return
+    hidden = [i for i, c in enumerate(runnable.notebook.cells)
+              if c.metadata.get(submission.HIDDEN)]
+    tampered = next((run.errors[i] for i in hidden if i in run.errors), None)
+    if tampered:
+        g.status, g.passed = "tampered", 0
+        g.first_failure = (f"{tampered[1]}: a YOUR CODE cell may only define the "
+                           "exercise's functions")
+        return
+    first_code = min(i for i, c in enumerate(runnable.notebook.cells) if c.cell_type == "code")
+    if first_code in run.errors:
+        g.status = "error"
+        g.first_failure = f"the setup cell failed: {': '.join(run.errors[first_code])}"
+        return
+    if run.stopped:
+        kind, cell = run.stopped
+        at = f" (in {where(cell)})" if cell >= 0 else ""
+        g.status = "timeout" if kind == "timeout" else "crashed"
+        g.first_failure = (f"did not finish within {limit:g} s{at}" if kind == "timeout" else
+                           f"the kernel died{at}: did the code exit Python or crash it?")
+        return
+    for cell in sorted(set(runnable.learner) | set(checks)):
+        problem = _problem(run, cell, runnable.checks.get(cell))
+        if problem:
+            g.first_failure = f"{where(cell)}: {problem}"
+            return
+
+
+def _problem(run: Executed, cell: int, expected: str | None) -> str | None:
+    """What went wrong in one cell, in a line; None if nothing did."""
+    if cell in run.errors:
+        return explain(": ".join(run.errors[cell]))
+    if expected is None:
+        return None
+    got = run.stdout.get(cell, "").strip()
+    if got == expected.strip():
+        return None
+    fail = next((ln for ln in got.splitlines() if ": FAIL: " in ln), None)
+    if fail:
+        return explain(fail.split(": FAIL: ", 1)[1])
+    return f"printed {got.splitlines()[0] if got else 'nothing'!r}, expected {expected.strip()!r}"
+
+
+# ---------------------------------------------------------------- a class
+
+def grade_class(folder: Path, jobs: int = JOBS, timeout: float = NOTEBOOK_TIMEOUT,
+                solutions: Path | None = None,
+                progress: Callable[[Grade], None] | None = None) -> list[Grade]:
+    """One Grade per learner (a sub-folder) and exercise, learners in name order.
+
+    ``progress(grade)`` hears of every row as soon as it is decided (:class:`RowLog`).
+    """
+    progress = progress or (lambda g: None)
+    solutions = solutions_of(solutions)
+    known = exercises(solutions)
+    learners = sorted(p for p in Path(folder).iterdir()  # not the grader's own --out folder
+                      if p.is_dir() and not p.name.startswith((".", "_"))
+                      and not any((p / f).exists() for f in ("grades.csv", "grades.partial.csv")))
+    rows: list[Grade] = []
+    present: list[tuple[int, Path, str]] = []  # row, file, note
+    for learner in learners:
+        files = sorted(learner.glob("*.ipynb"))
+        for name in known:
+            path, status, text = find_submission(name, files, known)
+            rows.append(Grade(path or learner / f"{name}.ipynb", name, learner=learner.name,
+                              total=_checks(known[name])))
+            if path is None:
+                rows[-1].status, rows[-1].first_failure = status, text
+                progress(rows[-1])
+            else:
+                present.append((len(rows) - 1, path, text))
+    notes = {(rows[k].learner, str(path)): note for k, path, note in present}
+
+    def noted(g: Grade) -> None:
+        note = notes.get((g.learner, str(g.path)))
+        g.notes[:0] = [note] if note else []
+        progress(g)
+
+    paths = [p for _, p, _ in present]
+    graded = grade(paths, jobs, timeout, solutions,
+                   learners=[rows[k].learner for k, _, _ in present], progress=noted)
+    for (k, _, _), g in zip(present, graded, strict=True):
+        rows[k] = g
+    return rows
+
+
+GRADE_FIELDS = ["learner", "exercise", "status", "checks_passed", "checks_total", "passed",
+                "first_failure", "notes", "seconds"]
+
+
+def _row(g: Grade) -> dict:
+    return {"learner": g.learner, "exercise": g.exercise, "status": g.status,
+            "checks_passed": g.passed, "checks_total": g.total, "passed": int(g.ok),
+            "first_failure": g.first_failure or "", "notes": "; ".join(g.notes),
+            "seconds": f"{g.seconds:.1f}"}
+
+
+class RowLog:
+    """``grades.partial.csv``: every row appended, and on disk, as soon as it is decided.
+
+    A grader that dies halfway (killed, out of memory, the machine down) leaves the
+    rows it finished there; a run that ends writes grades.csv and removes it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        import csv
+
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "w", newline="", encoding="utf-8")  # noqa: SIM115
+        self.writer = csv.DictWriter(self.file, GRADE_FIELDS)
+        self.writer.writeheader()
+        self._sync()
+
+    def __call__(self, g: Grade) -> None:
+        self.writer.writerow(_row(g))
+        self._sync()
+
+    def _sync(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def done(self) -> None:
+        self.file.close()
+        self.path.unlink(missing_ok=True)
+
+
+def write_gradebook(rows: list[Grade], out: Path) -> tuple[Path, Path]:
+    """grades.csv (learner x exercise, with reasons) and gradebook.csv (per learner).
+
+    Written atomically; if ``out`` fails after all (full disk), into a temporary
+    folder instead, said on the terminal: a class's grading is never lost.
+    """
+    long = save(out / "grades.csv", lambda path: write_csv(path, [_row(g) for g in rows],
+                                                           GRADE_FIELDS))
+    names = list(dict.fromkeys(g.exercise for g in rows))
+    book = []
+    for learner, mine in _by_learner(rows).items():
+        row = {"learner": learner, **{g.exercise: g.passed for g in mine}}
+        row.update(_totals(mine))
+        book.append(row)
+    wide = save(out / "gradebook.csv", lambda path: write_csv(
+        path, book, ["learner", *names, "exercises_passed", "checks_passed", "checks_total"]))
+    return long, wide
+
+
+def _by_learner(rows: list[Grade]) -> dict[str, list[Grade]]:
+    found: dict[str, list[Grade]] = {}
+    for g in rows:
+        found.setdefault(g.learner, []).append(g)
+    return found
+
+
+def _totals(rows: list[Grade]) -> dict[str, int]:
+    return {"exercises_passed": sum(g.ok for g in rows),
+            "checks_passed": sum(g.passed for g in rows),
+            "checks_total": sum(g.total for g in rows)}
+
+
+# ---------------------------------------------------------------- tables
+
+def table(grades: list[Grade]) -> str:
+    """One row per notebook (and per learner, with a total, for a class)."""
+    learners = any(g.learner for g in grades)
+    width = max([len("exercise")] + [len(g.name) for g in grades]) + 2
+    lwidth = max([len("learner")] + [len(g.learner) for g in grades]) + 2
+    head = (f"{'learner':<{lwidth}}" if learners else "") + f"{'exercise':<{width}}checks  result"
+    rows = [head]
+    for learner, mine in (_by_learner(grades).items() if learners else [("", grades)]):
+        for g in mine:
+            result = "PASS" if g.ok else g.first_failure or "FAIL"
+            note = f"  [{'; '.join(g.notes)}]" if g.notes else ""
+            rows.append((f"{learner:<{lwidth}}" if learners else "")
+                        + f"{g.name:<{width}}{f'{g.passed}/{g.total}':<8}{result}{note}")
+        if learners:
+            t = _totals(mine)
+            rows.append(f"{learner:<{lwidth}}{'TOTAL':<{width}}"
+                        f"{t['checks_passed']}/{t['checks_total']:<5} "
+                        f"{t['exercises_passed']} of {len(mine)} exercises pass")
+    if not learners:
+        rows.append(f"\n{sum(g.ok for g in grades)} of {len(grades)} exercises pass.")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pcourse.tools.grading.grade",
+                                     description="Grade exercise notebooks, or a whole class.")
+    parser.add_argument("notebooks", nargs="*", type=Path,
+                        help="notebooks to grade (default: every notebook in exercises/)")
+    parser.add_argument("--class", dest="folder", type=Path, metavar="DIR",
+                        help="grade DIR/<learner>/<exercise>.ipynb for every learner")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="where --class writes grades.csv and gradebook.csv (default: DIR)")
+    parser.add_argument("--timeout", type=float, default=NOTEBOOK_TIMEOUT,
+                        help=f"seconds per notebook (default {NOTEBOOK_TIMEOUT:g})")
+    parser.add_argument("--course", type=Path, metavar="DIR",
+                        help="the course's folder, with solutions/ and exercises/ "
+                             "(default: the current folder)")
+    parser.add_argument("-j", "--jobs", type=int, default=JOBS,
+                        help="notebooks graded at the same time, each worker with its own "
+                             f"kernel and 4 engines (default {JOBS}: one per two cores)")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be positive, got {args.timeout:g}")
+    course = course_from(parser, args.course)
+    solutions = course / "solutions"
+    # SIGTERM (a CI job cancelled, a terminal closed) cleans up like Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    start = time.monotonic()
+    if args.folder is not None:
+        if args.notebooks:
+            parser.error("give either notebooks or --class DIR, not both")
+        if not args.folder.is_dir():
+            parser.error(f"--class {args.folder}: no such folder")
+        try:  # before the grading, which can take a while: never lose it to a typo
+            check_writable(args.out or args.folder)
+        except NotWritable as exc:
+            parser.error(f"--out: {exc}. Nothing was graded.")
+        log = RowLog((args.out or args.folder) / "grades.partial.csv")
+        rows = grade_class(args.folder, args.jobs, args.timeout, solutions, progress=log)
+        if not rows:
+            log.done()
+            parser.error(f"--class {args.folder}: no learner folders in it")
+        print(table(rows))
+        long, wide = write_gradebook(rows, args.out or args.folder)
+        lms_out = lms.write_class(rows, args.out or args.folder, solutions)
+        log.done()
+        print(f"\n{len(rows)} notebooks graded in {time.monotonic() - start:.0f} s; "
+              f"wrote {long} and {wide}; Gradescope results and feedback under {lms_out}")
+        return 1 if any(g.status == "error" for g in rows) else 0
+    notebooks = args.notebooks or sorted((course / "exercises").glob("*.ipynb"))
+    missing = [str(p) for p in notebooks if not Path(p).is_file()]
+    if missing or not notebooks:
+        parser.error(f"no such notebook: {', '.join(missing)}" if missing
+                     else "no notebooks to grade: exercises/ is empty (run `make exercises`)")
+    grades = grade(notebooks, args.jobs, args.timeout, solutions)
+    print(table(grades))
+    return 0 if all(g.ok for g in grades) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

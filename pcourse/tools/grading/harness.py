@@ -1,0 +1,520 @@
+"""What the check cells of the graded exercises share: run, count, compare, say.
+
+A grader's worst case is a check that passes a wrong answer; a learner's is a check
+that fails without saying why. So every check cell
+
+- runs the learner's function on the engines through :func:`run`, as the ranks of
+  a world of a given size (:data:`SIZES`: 2, where left and right neighbours
+  coincide, and 3, where they do not; under the grader also 4, where a rank's ring
+  neighbours no longer reach every other rank), with a deadline and with the failing rank's
+  error as a short message instead of a wall of ipyparallel internals;
+- compares the result with a reference computed independently of the learner's
+  code (MPI's own collectives, a single-process run, torch's own sampler);
+- prints one deterministic verdict line, ``check 2/3 <what>: PASS`` or
+  ``... FAIL: at 3 ranks, rank 1: <why>``, which the grader compares with the line
+  the solution printed.
+
+The grader runs the check cells from ``solutions/``, never the learner's copy, and
+attaches every notebook to a cluster it started (:func:`start_cluster`). Under the
+grader the learner's code never runs in the kernel that prints the verdicts: its
+cells run on the engines only (:func:`define`), the kernel holds a stand-in for each
+name they bind (:class:`OnEngines`), and what comes back from the engines is read
+as data only (:func:`safe_loads`: numbers, strings, arrays, tensors, the checks' own
+records; anything else arrives as :class:`Refused`, never run). So no learner code
+can patch ``print``, ``verdict`` or a module of the process that decides a grade.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import os
+import pickle
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from pcourse.tools.grading import trials as _trials
+
+# re-exported
+from pcourse.tools.grading.trials import Call, CountingComm, DeadlockError  # noqa: F401
+
+SIZES = (2, 3)  # world sizes every check runs at: the engines a notebook starts
+GRADER_SIZES = (2, 3, 4)  # and under the grader, whose clusters have 4 engines: at 4 ranks
+#                           comparing each rank only with its ring neighbours misses pairs
+RUN_TIMEOUT = 20.0  # seconds for one trial on every rank: far more than a correct one needs
+ERROR_GRACE = 3.0  # seconds the other ranks get to finish once one rank has failed
+CLUSTER_ENV = "PCOURSE_GRADER_CLUSTER"  # set by the grader: its cluster's client file
+
+ENGINE_DIED = ("an engine (an MPI process) died: did the code call os._exit or MPI's Abort, "
+               "or crash?")
+
+_stuck = False  # set when a run never finished: the engines are still busy with it
+
+
+class ExerciseError(RuntimeError):
+    """The learner's code raised on an engine, or never finished."""
+
+
+class TamperError(RuntimeError):
+    """A learner cell replaced something the checks rely on."""
+
+
+# ---------------------------------------------------------------- the cluster
+
+@dataclass
+class Attached:
+    """The grader's running cluster, as a notebook kernel sees it (no processes owned)."""
+
+    client: Any
+    view: Any
+    engines: list[int] = field(default_factory=list)  # engine ids in MPI rank order
+
+    @property
+    def n(self) -> int:
+        return len(self.engines)
+
+
+def start_cluster(n: int = max(SIZES)) -> Any:
+    """``n`` MPI engines for the checks: the grader's, when a grader runs the notebook.
+
+    A learner gets a cluster of their own (:func:`pcourse.tools.cluster.start_cluster`).
+    Under the grader (``$PCOURSE_GRADER_CLUSTER`` names its cluster's connection
+    file) the notebook attaches to the cluster the grader keeps for many
+    notebooks, and :func:`stop_cluster` only detaches.
+    """
+    where = os.environ.get(CLUSTER_ENV)
+    if not where:
+        from pcourse.tools.cluster import start_cluster as start
+
+        return start(n)
+    import ipyparallel as ipp
+
+    client = ipp.Client(where)
+    client.wait_for_engines(max(n, max(GRADER_SIZES)), timeout=60, interactive=False)
+    ids = sorted(client.ids)  # all of them: the grader checks at more sizes than n
+    view = client[ids]
+    view.block = False
+    view.use_cloudpickle().get(timeout=60)
+    read_results_as_data()
+    ranks = view.apply_async(_trials.world_rank).get(timeout=60)
+    return Attached(client, view, [i for _, i in sorted(zip(ranks, ids, strict=True))])
+
+
+def stop_cluster(mc: Any) -> None:
+    """Stop the learner's own cluster; from the grader's, only detach."""
+    if isinstance(mc, Attached):
+        mc.client.close()
+        return
+    from pcourse.tools.cluster import stop_cluster as stop
+
+    stop(mc)
+
+
+def _engine_ids(mc: Any) -> list[int]:
+    """Engine ids in MPI rank order (a learner's own cluster numbers engines by rank)."""
+    return mc.engines if isinstance(mc, Attached) else sorted(mc.client.ids)
+
+
+# ---------------------------------------------------------------- the learner's code
+
+class OnEngines:
+    """A name a learner's cell binds, standing in the checking kernel for its engine value.
+
+    Passed to :func:`run` (or named by a function shipped there) it arrives on the
+    engine as that engine's own object of the name
+    (:func:`pcourse.tools.grading.trials.learner_global`);
+    here it only has a name: calling it is a mistake of the check, said plainly.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.__name__ = self.__qualname__ = name
+
+    def __reduce__(self) -> tuple:
+        return (_trials.learner_global, (self.__name__,))
+
+    def __repr__(self) -> str:
+        return f"<{self.__name__}, defined on the engines>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"{self.__name__} runs on the engines only: pass it to run()")
+
+
+def define(mc: Any, source: str, names: Sequence[str], namespace: dict,
+           imports: str = "") -> None:
+    """Run a learner's cell on every engine, never here; bind ``names`` here to stand-ins.
+
+    ``imports`` (the setup's imports) run first, so the cell finds the modules the
+    setup gave it. A cell that raises fails with the learner's error; one that kills
+    an engine, or does not finish within :data:`RUN_TIMEOUT`, says so.
+    """
+    import ipyparallel as ipp
+
+    global _stuck
+    try:
+        for code in (imports, source):
+            if code:
+                mc.view.execute(code, block=False).get(timeout=RUN_TIMEOUT)
+    except ipp.error.TimeoutError:
+        _stuck = True
+        raise ExerciseError(f"your cell did not finish within {RUN_TIMEOUT:g} s on the engines: "
+                            "a cell should only define functions (or an engine died)") from None
+    except ipp.error.CompositeError as exc:
+        ename, evalue = exc.elist[0][:2]
+        raise _learner_error(ename, evalue) from None
+    except ipp.error.RemoteError as exc:
+        raise _learner_error(exc.ename, exc.evalue) from None
+    except ipp.error.EngineError:
+        raise ExerciseError(ENGINE_DIED) from None
+    for name in names:
+        namespace[name] = OnEngines(name)
+
+
+def _learner_error(ename: str, evalue: str) -> ExerciseError:
+    if ename == "EngineError":
+        return ExerciseError(ENGINE_DIED)
+    return ExerciseError(f"your code raised {ename}: {evalue}")
+
+
+# ---------------------------------------------------------------- what comes back, as data
+
+class Refused:
+    """What arrives in place of an object the grader does not rebuild (nothing of it runs)."""
+
+    what = "something"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Refused:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<refused {self.what}>"
+
+
+def _refused(what: str) -> type:
+    return type("Refused", (Refused,), {"what": what})
+
+
+_DATA = {("builtins", n) for n in ("list", "dict", "set", "frozenset", "tuple", "complex",
+                                   "int", "float", "bool", "bytes", "bytearray", "str",
+                                   "slice", "range", "object")}
+_DATA |= {("collections", "OrderedDict"), ("copyreg", "_reconstructor"),
+          ("torch", "Size"), ("torch._utils", "_rebuild_tensor_v2"),
+          ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_parameter"),
+          ("pcourse.tools.grading.trials", "Call")}
+_DATA |= {(m, n) for m in ("numpy.core.multiarray", "numpy._core.multiarray")
+          for n in ("_reconstruct", "scalar")}
+_DATA |= {("numpy", "ndarray"), ("numpy", "dtype")}
+_DATA |= {(m, n) for m in ("ipyparallel.serialize.canning", "ipyparallel.serialize")
+          for n in ("CannedArray", "CannedBytes", "CannedMemoryView", "CannedObject")}
+
+
+def _storage_from_bytes(data: bytes) -> Any:
+    """torch's storages travel as torch.save bytes: read them with torch's safe loader."""
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class _DataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DATA or module.startswith("numpy.dtypes"):
+            return super().find_class(module, name)
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _storage_from_bytes
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        return _refused(f"{module}.{name}")
+
+
+def safe_loads(data: Any) -> Any:
+    """Unpickle ``data`` rebuilding only plain data; every other object becomes a Refused."""
+    return _DataUnpickler(io.BytesIO(data)).load()
+
+
+class _DataOnly:
+    """ipyparallel's serializer here: pickles as before, unpickles data only."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def dumps(self, *args: Any, **kwargs: Any) -> bytes:
+        return self.real.dumps(*args, **kwargs)
+
+    def loads(self, data: Any) -> Any:
+        return safe_loads(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def read_results_as_data() -> None:
+    """From now on, this process reads what engines send back as data only (:func:`safe_loads`).
+
+    The engines ran the learner's code, so a result may be a pickle that would run code
+    here when rebuilt; this kernel decides the verdicts.
+    """
+    from ipyparallel.serialize import serialize
+
+    if not isinstance(serialize.pickle, _DataOnly):
+        serialize.pickle = _DataOnly(serialize.pickle)
+
+
+def _refusals(value: Any, depth: int = 0) -> str | None:
+    """The first Refused in a result (nested in lists, tuples and dicts), if any."""
+    if isinstance(value, Refused):
+        return value.what
+    if depth < 8 and isinstance(value, list | tuple | set | frozenset):
+        return next((r for r in (_refusals(v, depth + 1) for v in value) if r), None)
+    if depth < 8 and isinstance(value, dict):
+        return next((r for r in (_refusals(v, depth + 1)
+                                 for v in [*value.keys(), *value.values()]) if r), None)
+    return None
+
+
+# ---------------------------------------------------------------- running a trial
+
+def run(mc: Any, fn: Callable, *args: Any, ranks: int, timeout: float = RUN_TIMEOUT,
+        **kwargs: Any) -> list:
+    """``fn(*args, **kwargs)`` on every rank of a ``ranks``-rank world; results in rank order.
+
+    The world is a sub-communicator of the cluster (see :mod:`pcourse.tools.grading.trials`);
+    the learner's functions among ``args`` (and those they call) are pushed to the
+    engines first, so one may call another. Raises :class:`ExerciseError` saying at
+    which size and on which rank the code failed, or that it never finished.
+    """
+    global _stuck
+    if _stuck:
+        raise ExerciseError(
+            "the engines are still stuck in an earlier check that never finished. Fix "
+            "the code, then restart the kernel and run all cells again.")
+    ids = _engine_ids(mc)
+    if not 1 <= ranks <= len(ids):
+        raise ValueError(f"cannot run at {ranks} ranks on {len(ids)} engines")
+    mine = _learner_functions(args)
+    if mine:
+        mc.view.push(mine, block=True)
+    pending = [mc.client[i].apply_async(_trials.on_ranks, ranks, fn, args, kwargs) for i in ids]
+    outcomes, finished = _collect(pending, timeout)
+    if not finished:
+        _stuck = True
+    failed = sorted((o for o in outcomes if o and "error" in o), key=lambda o: o["rank"])
+    if failed:
+        name, message, where = failed[0]["error"]
+        detail = f"\n{where}" if where else ""
+        left = "" if finished else " (and the other ranks never finished)"
+        raise ExerciseError(f"at {ranks} ranks, rank {failed[0]['rank']} raised "
+                            f"{name}: {message}{left}{detail}")
+    if not finished:
+        raise ExerciseError(
+            f"at {ranks} ranks, the code did not finish within {timeout:.0f} s on every rank. "
+            "A deadlock? Every send needs a matching receive on the neighbour, and every "
+            "rank must call the same collectives in the same order.")
+    done = sorted((o for o in outcomes if o), key=lambda o: o["rank"])
+    for o in done:
+        refused = _refusals(o["value"])
+        if refused:
+            raise ExerciseError(
+                f"at {ranks} ranks, rank {o['rank']} returned a {refused}, which the grader "
+                "does not rebuild: return plain numbers, strings, arrays or tensors")
+    return [o["value"] for o in done]
+
+
+def _collect(pending: list, timeout: float) -> tuple[list, bool]:
+    """Every engine's outcome (None where unfinished), and whether all finished.
+
+    Stops waiting ``ERROR_GRACE`` seconds after the first error: the other ranks are
+    then usually waiting for the failed one, forever.
+    """
+    import ipyparallel as ipp
+
+    deadline, failed_at = time.monotonic() + timeout, None
+    outcomes: list = [None] * len(pending)
+    while True:
+        for k, result in enumerate(pending):
+            if outcomes[k] is None and result.ready():
+                try:
+                    outcomes[k] = result.get(0) or {}
+                    if outcomes[k] != {} and not (isinstance(outcomes[k], dict)
+                                                  and "rank" in outcomes[k]):
+                        outcomes[k] = {"rank": k, "error": (
+                            "TamperError", f"the engine sent back {outcomes[k]!r}, not what "
+                            "the check asked for: did the code replace the checks' functions?",
+                            "")}
+                except (ipp.error.EngineError, ipp.error.RemoteError) as exc:
+                    died = isinstance(exc, ipp.error.EngineError) \
+                        or getattr(exc, "ename", "") == "EngineError"
+                    outcomes[k] = {"rank": k, "error": (
+                        ("EngineError", ENGINE_DIED, "") if died else
+                        (getattr(exc, "ename", type(exc).__name__), str(exc), ""))}
+        if all(o is not None for o in outcomes):
+            return outcomes, True
+        now = time.monotonic()
+        if failed_at is None and any(o and "error" in o for o in outcomes):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + ERROR_GRACE):
+            return outcomes, False
+        time.sleep(0.01)
+
+
+def _learner_functions(args: Sequence[Any]) -> dict[str, Callable]:
+    """The notebook's functions among ``args``, and those they call, by name.
+
+    Functions defined in a notebook reach the engines by value, with the engine's
+    namespace as their globals; a learner's function that calls another one of theirs
+    (``local_sgd`` calling ``average_parameters``) needs that one pushed too.
+    """
+    main = vars(sys.modules["__main__"])
+    found: dict[str, Callable] = {}
+    todo = [a for a in args if inspect.isfunction(a) and a.__module__ == "__main__"]
+    while todo:
+        f = todo.pop()
+        if found.get(f.__name__) is f:
+            continue
+        found[f.__name__] = f
+        todo += [main[name] for name in f.__code__.co_names
+                 if inspect.isfunction(main.get(name)) and main[name].__module__ == "__main__"]
+    return found
+
+
+def at_sizes(check: Callable[[int], str | None], sizes: Sequence[int] | None = None
+             ) -> str | None:
+    """``check(p)`` for every world size p, stopping at the first problem.
+
+    The sizes are :data:`SIZES`, or :data:`GRADER_SIZES` under the grader.
+
+    The problem says at which size it showed; an :class:`ExerciseError` (the code
+    raised, or never finished) is a problem like any other.
+    """
+    if sizes is None:
+        sizes = GRADER_SIZES if os.environ.get(CLUSTER_ENV) else SIZES
+    for p in sizes:
+        try:
+            problem = check(p)
+        except ExerciseError as exc:
+            return str(exc)
+        if problem:
+            return f"at {p} ranks, {problem}"
+    return None
+
+
+# ---------------------------------------------------------------- saying and comparing
+
+def verdict(i: int, n: int, what: str, problem: str | None) -> None:
+    """Print the check's one line: PASS when ``problem`` is None, else FAIL and why.
+
+    Only the first line of ``problem`` is on the verdict line; the rest (the failing
+    rank's traceback) follows, indented.
+    """
+    if problem is None:
+        print(f"check {i}/{n} {what}: PASS")
+        return
+    first, _, rest = problem.partition("\n")
+    print(f"check {i}/{n} {what}: FAIL: {first}")
+    if rest.strip():
+        print(rest)
+
+
+def per_rank(results: Sequence[Any], test: Callable[[int, Any], str | None]) -> str | None:
+    """The first rank whose result fails ``test(rank, result)``, with why; None if all pass."""
+    for rank, result in enumerate(results):
+        problem = test(rank, result)
+        if problem:
+            return f"rank {rank}: {problem}"
+    return None
+
+
+def uses(calls: Sequence[Call], method: str, instead_of: str | None = None) -> str | None:
+    """None when ``method`` was called (and ``instead_of`` was not), else what was."""
+    used = sorted({c.name for c in calls})
+    if method not in used:
+        return f"comm.{method} was never called (calls made: {', '.join(used) or 'none'})"
+    if instead_of and instead_of in used:
+        return f"comm.{instead_of} was called; this exercise is about comm.{method}"
+    return None
+
+
+def tensors_differ(got: Sequence[Any], want: Sequence[Any], names: Sequence[str] | None = None,
+                   rtol: float = 1e-5, atol: float = 1e-6) -> str | None:
+    """None when every tensor matches its reference, else which one and by how much.
+
+    ``None`` stands for a missing gradient and matches only ``None``.
+    """
+    if len(got) != len(want):
+        return f"{len(got)} tensors where {len(want)} were expected"
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        name = names[i] if names else f"tensor {i}"
+        if g is None or w is None:
+            if g is not w:
+                return (f"{name} has no gradient, but should" if g is None else
+                        f"{name} got a gradient, but it has none (frozen or unused): leave "
+                        "p.grad None, as torch does")
+            continue
+        g, w = _tensor(g), _tensor(w)
+        if g.shape != w.shape:
+            return f"{name} has shape {tuple(g.shape)}, expected {tuple(w.shape)}"
+        if not torch.allclose(g.double(), w.double(), rtol=rtol, atol=atol):
+            err = (g.double() - w.double()).abs().max().item()
+            ratio = _ratio(g, w)
+            hint = f" (about {ratio:g} times the reference)" if ratio else ""
+            return f"{name} is off by up to {err:.3g}{hint}"
+    return None
+
+
+def _tensor(x: Any) -> torch.Tensor:
+    # results come back from the engines as read-only arrays: copy, torch wants to own them
+    return torch.from_numpy(np.array(x)) if isinstance(x, np.ndarray) else torch.as_tensor(x)
+
+
+def _ratio(got: torch.Tensor, want: torch.Tensor) -> float | None:
+    """The factor got/want when got is a uniform multiple of want (e.g. 2: not divided)."""
+    w, g = want.double().flatten(), got.double().flatten()
+    mask = w.abs() > 1e-6
+    if not mask.any():
+        return None
+    r = g[mask] / w[mask]
+    if torch.allclose(r, r[0].expand_as(r), rtol=1e-4) and abs(r[0].item() - 1) > 1e-3:
+        return round(r[0].item(), 3)
+    return None
+
+
+# ---------------------------------------------------------------- the checks' own names
+
+_snapshot: dict[str, int] = {}
+
+
+def _watched(namespace: dict, names: Sequence[str]) -> dict[str, int]:
+    """id() of every named global and of everything in the grading modules."""
+    found = {f"name {n}": id(namespace.get(n)) for n in names}
+    for module in _grading_modules():
+        found.update({f"{module.__name__}.{k}": id(v) for k, v in vars(module).items()
+                      if not k.startswith("__") and k not in ("_stuck", "_snapshot")})
+    return found
+
+
+def _grading_modules() -> list[ModuleType]:
+    return [m for name, m in sys.modules.items() if name.startswith("pcourse.tools.grading")
+            and isinstance(m, ModuleType)]
+
+
+def remember(namespace: dict, names: Sequence[str]) -> None:
+    """Note what the checks' names are bound to (the grader runs this after the setup)."""
+    _snapshot.clear()
+    _snapshot.update(_watched(namespace, names))
+
+
+def unchanged(namespace: dict, names: Sequence[str]) -> None:
+    """Raise TamperError if a learner cell rebound a name noted by :func:`remember`."""
+    now = _watched(namespace, names)
+    changed = sorted(k for k, v in _snapshot.items() if now.get(k) != v)
+    if changed:
+        raise TamperError(f"your code replaced {', '.join(changed[:3])}, which the checks use")

@@ -1,0 +1,754 @@
+"""The graded exercises' trials (run on the engines) and references (computed apart).
+
+A *trial* runs on every rank of a check's world: it sets up the situation an
+exercise is about (a model, a data shard, a communicator that counts its calls),
+calls the learner's function, and returns what happened. A *reference* computes
+the right answer without the learner's code and, where it can, without this
+course's code either: torch's own ``DistributedSampler``, MPI's own ``Allreduce``,
+a single process training on the whole batch, a serial simulation of every rank.
+
+Trials take the world from :func:`pcourse.tools.grading.trials.world` (the sub-communicator
+the check runs at) and make their own MPI calls *before* the learner's code, never
+after: a learner's rank that failed must not leave the others waiting in ours.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from pcourse.runtime import private
+from pcourse.tools.grading.trials import CountingComm, world
+
+BATCH = 60  # global batch of the gradient exercises: equal shards at 2, 3, 4, 5 and 6 ranks
+
+
+# ---------------------------------------------------------------- a model and its data
+
+class PartlyTrained(torch.nn.Module):
+    """The gradient exercises' model with a frozen bias and an unused layer.
+
+    Both end a backward pass with ``grad is None``, as fine-tuning (frozen layers) and
+    models with optional branches do; gradient averaging must leave them alone.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.body = make_model(seed)
+        self.body[0].bias.requires_grad_(False)
+        self.unused = torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def make_model(seed: int = 0, frozen: bool = False) -> torch.nn.Module:
+    """A small MLP whose parameters all differ in shape (wrong offsets show)."""
+    if frozen:
+        return PartlyTrained(seed)
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def make_data(n: int = BATCH, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, generator=gen)
+    return x, torch.stack([x.sin().sum(1), x.prod(1)], 1)
+
+
+def shard_of(data: tuple[torch.Tensor, ...], rank: int, size: int) -> tuple[torch.Tensor, ...]:
+    per = len(data[0]) // size
+    return tuple(t[rank * per:(rank + 1) * per] for t in data)
+
+
+def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def grads(model: torch.nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in model.state_dict().values()]
+
+
+def addresses(model: torch.nn.Module) -> list[int]:
+    """Where every parameter and buffer lives: unchanged by anything done in place."""
+    return [t.data_ptr() for t in model.state_dict().values()]
+
+
+def names(frozen: bool = False) -> list[str]:
+    return [n for n, _ in make_model(frozen=frozen).named_parameters()]
+
+
+def sgd_step(model: torch.nn.Module, lr: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+
+
+# ---------------------------------------------------------------- 01 partitioner
+
+def partition_trial(shard: Callable, cases: list[tuple[int, int, int]]) -> dict:
+    """This rank's indices for every (n, seed, epoch), and whether the global RNGs were spared."""
+    comm = world()
+    before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    shares = [[int(i) for i in shard(n, comm.rank, comm.size, seed=seed, epoch=epoch)]
+              for n, seed, epoch in cases]
+    after = (torch.get_rng_state(), np.random.get_state()[1], random.getstate())
+    spared = (torch.equal(before[0], after[0]) and np.array_equal(before[1], after[1])
+              and before[2] == after[2])
+    return {"shares": shares, "rng_spared": spared}
+
+
+def sampler_reference(n: int, size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Every rank's segment, from torch's DistributedSampler with drop_last=True.
+
+    The sampler draws the same permutation (``randperm`` seeded with seed + epoch)
+    and drops the same tail, but deals it out strided (rank r gets every size-th
+    index). Interleaving its shares gives back the permutation, which the
+    segment layout cuts into contiguous blocks.
+    """
+    from torch.utils.data.distributed import DistributedSampler
+
+    shares = []
+    for r in range(size):
+        sampler = DistributedSampler(range(n), num_replicas=size, rank=r, shuffle=True,
+                                     seed=seed, drop_last=True)
+        sampler.set_epoch(epoch)
+        shares.append(list(sampler))
+    order = [shares[i % size][i // size] for i in range(len(shares[0]) * size)]
+    per = len(shares[0])
+    return [order[r * per:(r + 1) * per] for r in range(size)]
+
+
+# ---------------------------------------------------------------- 02, 06 gradients
+
+def gradient_trial(average: Callable, steps: int = 1, lr: float = 0.1,
+                   frozen: bool = False) -> dict:
+    """Backward on this rank's shard, the learner's ``average(model, comm)``, SGD; repeat.
+
+    Returns each step's gradients, the final parameters, whether every gradient
+    stayed the same tensor (in place), and the communicator calls of each step.
+    """
+    comm = world()
+    model = make_model(frozen=frozen)
+    x, y = shard_of(make_data(), comm.rank, comm.size)
+    out: dict = {"grads": [], "calls": [], "in_place": True}
+    for _ in range(steps):
+        model.zero_grad(set_to_none=False)
+        loss_of(model, x, y).backward()
+        before = [p.grad.data_ptr() if p.grad is not None else None for p in model.parameters()]
+        counting = CountingComm(comm)
+        average(model, counting)
+        out["in_place"] &= before == [p.grad.data_ptr() if p.grad is not None else None
+                                      for p in model.parameters()]
+        out["grads"].append(grads(model))
+        out["calls"].append(counting.calls)
+        sgd_step(model, lr)
+    out["params"] = params(model)
+    return out
+
+
+def single_process_sgd(steps: int = 1, lr: float = 0.1, frozen: bool = False) -> dict:
+    """The same steps in one process on the whole batch: what averaging must reproduce."""
+    model = make_model(frozen=frozen)
+    x, y = make_data()
+    out: dict = {"grads": []}
+    for _ in range(steps):
+        model.zero_grad()
+        loss_of(model, x, y).backward()
+        out["grads"].append(grads(model))
+        sgd_step(model, lr)
+    out["params"] = params(model)
+    return out
+
+
+# ---------------------------------------------------------------- 03 ring allreduce
+
+def ring_trial(ring: Callable, n: int, seed: int = 0) -> dict:
+    """The learner's ring sum of rank-dependent data, and MPI's own Allreduce of it."""
+    from mpi4py import MPI
+
+    comm = world()
+    x = np.random.default_rng(seed + comm.rank).standard_normal(n)
+    want = x.copy()
+    comm.Allreduce(MPI.IN_PLACE, want, op=MPI.SUM)
+    counting = CountingComm(comm)
+    ring(x, counting)
+    return {"got": x, "want": want, "sends": counting.sends(),
+            "collectives": counting.collectives(), "left": (comm.rank - 1) % comm.size,
+            "right": (comm.rank + 1) % comm.size}
+
+
+# ---------------------------------------------------------------- 04 Gloo from MPI
+
+def gloo_trial(init: Callable, timeout_s: float) -> dict:
+    """Start Gloo with the learner's ``init(comm, timeout_s)``; what it did, and the group.
+
+    While ``init`` runs, every port the operating system hands to a socket bound to
+    port 0 is noted: the port the group meets at must be one of rank 0's. Afterwards
+    the group sums ``arange(4) * (rank + 1)`` once, its store and timeout are read
+    back, and it is destroyed, so the check can run again. A port already in use
+    (a collision: the one thing an OS-chosen port prevents) is said to be one.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    comm = world()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    chosen: list[int] = []
+    bind = socket.socket.bind
+
+    def noting(sock: socket.socket, address: Any) -> None:
+        bind(sock, address)
+        if isinstance(address, tuple) and len(address) >= 2 and address[1] == 0:
+            chosen.append(sock.getsockname()[1])
+
+    counting = CountingComm(comm)
+    socket.socket.bind = noting
+    try:
+        where = init(counting, timeout_s)
+    except Exception as e:
+        if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+            raise OSError(f"{type(e).__name__}: {e}. The port was taken when torch bound it: "
+                          "let the operating system choose it (bind a socket to port 0 on rank "
+                          "0 and read the port it got), then close that socket before "
+                          "init_process_group") from e
+        raise
+    finally:
+        socket.socket.bind = bind
+    try:
+        t = torch.arange(4, dtype=torch.float64) * (comm.rank + 1)
+        dist.all_reduce(t)
+        store = private.default_store()
+        return {"where": where if isinstance(where, tuple | list) else None,
+                "returned": type(where).__name__, "os_ports": chosen,
+                "store": (getattr(store, "host", None), getattr(store, "port", None)),
+                "rank": dist.get_rank(), "size": dist.get_world_size(),
+                "mpi": (comm.rank, comm.size), "sum": t.numpy(), "calls": counting.calls,
+                "timeout": private.default_group_timeout()}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def gloo_sum_reference(size: int) -> np.ndarray:
+    """What all_reduce of arange(4) * (rank + 1) over ``size`` ranks gives."""
+    return np.arange(4, dtype=np.float64) * size * (size + 1) / 2
+
+
+# ---------------------------------------------------------------- 05 broadcast, consistency
+
+def _bn_model(seed: int, shift: float = 0.0, forwards: int = 1) -> torch.nn.Module:
+    """Linear + BatchNorm; ``forwards`` train-mode passes on data shifted by ``shift``."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(forwards):
+        model(torch.randn(16, 3, generator=gen) + shift)
+    return model
+
+
+def diverged_model(rank: int) -> torch.nn.Module:
+    """Weights, running statistics and batch counts that all differ from rank to rank."""
+    return _bn_model(100 + rank, shift=rank, forwards=rank + 1)
+
+
+# running_mean offsets per rank: rank 0 in the middle, so the spread (max - min over
+# ranks) is larger than any rank's distance from rank 0; and at 4 ranks the extremes are
+# ranks 1 and 3, which are no ring neighbours: comparing neighbours only misses them
+BUFFER_SHIFTS = (0.0, 0.75, -0.5, -0.75)
+
+
+def buffers_only_model(rank: int) -> torch.nn.Module:
+    """The same weights on every rank; only the running mean differs."""
+    model = _bn_model(0)
+    with torch.no_grad():
+        model[1].running_mean += BUFFER_SHIFTS[rank % len(BUFFER_SHIFTS)]
+    return model
+
+
+def state_names() -> list[str]:
+    return list(_bn_model(0).state_dict())
+
+
+def broadcast_trial(broadcast: Callable, roots: list[int]) -> list[dict]:
+    """For each root: states before and after ``broadcast(model, comm, root)``, in place or not."""
+    comm = world()
+    out = []
+    for root in roots:
+        model = diverged_model(comm.rank)
+        before, where = params(model), addresses(model)
+        counting = CountingComm(comm)
+        broadcast(model, counting, root)
+        out.append({"root": root, "before": before, "after": params(model),
+                    "in_place": where == addresses(model), "calls": counting.calls})
+    return out
+
+
+def counts_only_model(rank: int) -> torch.nn.Module:
+    """The same floats on every rank; only the (integer) count of batches seen differs."""
+    model = _bn_model(0)
+    model[1].num_batches_tracked += rank
+    return model
+
+
+SPREAD_CASES = ("diverged", "buffers only", "batch counts only", "identical")
+
+
+def spread_trial(spread: Callable) -> dict:
+    """The learner's ``spread(model, comm)`` of four models, and whether it left them alone."""
+    comm = world()
+    models = {"diverged": diverged_model(comm.rank),
+              "buffers only": buffers_only_model(comm.rank),
+              "batch counts only": counts_only_model(comm.rank),
+              "identical": _bn_model(0)}
+    out = {}
+    for case, model in models.items():
+        before, where = params(model), addresses(model)
+        value = spread(model, CountingComm(comm))
+        after = params(model)
+        untouched = where == addresses(model) and all(
+            torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        out[case] = {"before": before, "value": float(value), "untouched": untouched}
+    return out
+
+
+def spread_reference(states: list[list[torch.Tensor]]) -> float:
+    """Largest max-over-ranks minus min-over-ranks of any element, from gathered states."""
+    spread = 0.0
+    for tensors in zip(*states, strict=True):
+        stacked = torch.stack([t.double() for t in tensors])
+        spread = max(spread, (stacked.max(0).values - stacked.min(0).values).max().item())
+    return spread
+
+
+# ---------------------------------------------------------------- 07 periodic averaging
+
+def average_params_trial(average: Callable) -> dict:
+    """Rank-dependent weights before, and after the learner's ``average(model, comm)``."""
+    comm = world()
+    model = make_model(seed=10 + comm.rank)
+    before, where = params(model), addresses(model)
+    average(model, CountingComm(comm))
+    return {"before": before, "after": params(model), "in_place": where == addresses(model)}
+
+
+def local_sgd_trial(local_sgd: Callable, steps: int, period: int, lr: float = 0.1) -> list:
+    """Final parameters after the learner's ``local_sgd`` on this rank's shard."""
+    comm = world()
+    model = make_model()
+    x, y = shard_of(make_data(), comm.rank, comm.size)
+    local_sgd(model, x, y, CountingComm(comm), steps=steps, period=period, lr=lr)
+    return params(model)
+
+
+def local_sgd_reference(size: int, steps: int, period: int, lr: float = 0.1) -> list:
+    """Every rank's final parameters, simulated serially in one process.
+
+    Each simulated rank takes plain SGD steps on its shard; after step k·period the
+    parameters of all of them are replaced by their mean.
+    """
+    models = [make_model() for _ in range(size)]
+    shards = [shard_of(make_data(), r, size) for r in range(size)]
+    for step in range(1, steps + 1):
+        for model, (x, y) in zip(models, shards, strict=True):
+            model.zero_grad()
+            loss_of(model, x, y).backward()
+            sgd_step(model, lr)
+        if step % period == 0:
+            with torch.no_grad():
+                for ps in zip(*(m.parameters() for m in models), strict=True):
+                    mean = torch.stack([p.detach() for p in ps]).mean(0)
+                    for p in ps:
+                        p.copy_(mean)
+    return [params(m) for m in models]
+
+
+# ---------------------------------------------------------------- 08 sharded optimizer
+
+ZERO_LR, ZERO_DECAY = 0.05, 0.1  # AdamW; weight decay on, so a wrong slice of it shows
+
+
+def zero_model() -> torch.nn.Module:
+    """The gradient exercises' MLP in float64: 50 parameters, which 3 ranks do not divide."""
+    return make_model().double()
+
+
+def slice_trial(my_slice: Callable, ns: list[int]) -> list[tuple[int, ...]]:
+    """This rank's ``my_slice(n, rank, size)`` for every n, as plain integers."""
+    comm = world()
+    return [tuple(int(v) for v in my_slice(n, comm.rank, comm.size)) for n in ns]
+
+
+def zero_trial(my_slice: Callable, sharded_step: Callable, steps: int) -> dict:
+    """ZeRO on this rank: its slice (the learner's ``my_slice``), AdamW on it, ``steps``
+    steps of the learner's ``sharded_step``; the flat parameters after each step.
+
+    The flat parameters and gradient are padded with zeros to the length ``my_slice``
+    says; this rank's AdamW steps only its slice, a copy of it (its master weights).
+    """
+    comm = world()
+    # A process's first optimizer step imports torch's compiler, seconds on a busy
+    # machine: paid here, then met at a barrier with room for it, so that no rank
+    # waits for a slow peer inside the learner's first collective (5 s deadline).
+    warm = torch.zeros(1, requires_grad=True)
+    warm.grad = torch.zeros(1)
+    torch.optim.AdamW([warm]).step()
+    CountingComm(comm, timeout=120.0).Barrier()
+    model = zero_model()
+    x, y = (t.double() for t in shard_of(make_data(), comm.rank, comm.size))
+    n = sum(p.numel() for p in model.parameters())
+    start, stop, padded = my_slice(n, comm.rank, comm.size)
+    flat = torch.zeros(padded, dtype=torch.float64)
+    flat[:n] = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    shard = flat[start:stop].clone()
+    opt = torch.optim.AdamW([shard], lr=ZERO_LR, weight_decay=ZERO_DECAY)
+    out: dict = {"flat": [], "calls": [], "state": []}
+    for _ in range(steps):
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(flat[:n].clone(), model.parameters())
+        model.zero_grad()
+        loss_of(model, x, y).backward()
+        grad = torch.zeros(padded, dtype=torch.float64)
+        grad[:n] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        counting = CountingComm(comm)
+        sharded_step(flat, grad, shard, opt, counting)
+        out["flat"].append(flat[:n].clone())
+        out["calls"].append(counting.calls)
+        out["state"].append(sum(v.numel() for st in opt.state.values() for v in st.values()
+                                if isinstance(v, torch.Tensor) and v.dim() > 0))
+    return out
+
+
+def single_process_adamw(steps: int) -> list[torch.Tensor]:
+    """One process, the whole batch, torch's AdamW: the flat parameters after each step."""
+    model = zero_model()
+    x, y = (t.double() for t in make_data())
+    opt = torch.optim.AdamW(model.parameters(), lr=ZERO_LR, weight_decay=ZERO_DECAY)
+    out = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+        out.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone())
+    return out
+
+
+def slice_reference(n: int, size: int) -> list[tuple[int, int, int]]:
+    """Every rank's (start, stop, padded): equal slices of n padded to a multiple of size."""
+    per = -(-n // size)
+    return [(r * per, (r + 1) * per, per * size) for r in range(size)]
+
+
+# ---------------------------------------------------------------- 09 tensor parallelism
+
+TP_D, TP_HIDDEN = 5, 12  # the MLP's width and hidden size: 12 divides by 2, 3 and 4, and 5
+#                          differs from it, so a block cut along the wrong axis has the wrong shape
+TP_SHAPE = (4, 2, TP_D)  # an input [T, B, d], sequence-first as in lesson 11
+TP_FG_SHAPE = (2, 3)  # what f and g are tried on alone
+
+
+def tp_ranks(tp: int, engines: int) -> int:
+    """The ranks a check at tensor-parallel size ``tp`` runs on: as many groups of ``tp``
+    as the engines hold (at tp = 2 on 4 engines, two groups: a 2x2 mesh)."""
+    return tp * (engines // tp)
+
+
+def at_tp(check: Callable[[int], str | None]) -> str | None:
+    """:func:`~pcourse.tools.grading.harness.at_sizes` over tensor-parallel sizes: the problem
+    says at which tp it showed (a check at tp = 2 runs on more than 2 ranks)."""
+    from pcourse.tools.grading import harness
+
+    sizes = harness.GRADER_SIZES if os.environ.get(harness.CLUSTER_ENV) else harness.SIZES
+    for tp in sizes:
+        try:
+            problem = check(tp)
+        except harness.ExerciseError as exc:
+            return f"at tp={tp}: {exc}"
+        if problem:
+            return f"at tp={tp}, {problem}"
+    return None
+
+
+def tp_mlp() -> torch.nn.Module:
+    """The one-process MLP the exercise splits, in float64 (lesson 11's, smaller)."""
+    from pcourse.workloads.transformer import MLP
+
+    torch.manual_seed(11)
+    return MLP(TP_D, TP_HIDDEN).double()
+
+
+def tp_batch(group_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group ``group_index``'s input and the weights its output is summed with.
+
+    Each group its own batch, as data parallelism across groups gives it; the weights
+    depend on the position, since a plain sum of the output would hide a transposed block.
+    """
+    gen = torch.Generator().manual_seed(100 + group_index)
+    return (torch.randn(TP_SHAPE, generator=gen, dtype=torch.float64),
+            torch.randn(TP_SHAPE, generator=gen, dtype=torch.float64))
+
+
+def fg_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's own input to f and g, and its own cotangent: every rank's differs."""
+    gen = torch.Generator().manual_seed(300 + rank)
+    return (torch.randn(TP_FG_SHAPE, generator=gen, dtype=torch.float64),
+            torch.randn(TP_FG_SHAPE, generator=gen, dtype=torch.float64))
+
+
+def tp_layout(rank: int, size: int, tp: int, strided: bool = False) -> tuple[int, int]:
+    """(group, rank in the group) of ``rank`` of ``size``: groups of ``tp`` consecutive
+    ranks, or, ``strided``, ranks ``size // tp`` apart (the other axis of a mesh)."""
+    if strided:
+        return rank % (size // tp), rank // (size // tp)
+    return rank // tp, rank % tp
+
+
+class _TPGroup:
+    """This rank's tensor-parallel group of the trial's world, as a course Backend."""
+
+    def __init__(self, tp: int, strided: bool = False) -> None:
+        from pcourse.backends import make_backend
+        from pcourse.tools.grading.trials import OP_TIMEOUT
+
+        comm = world()
+        self.index, key = tp_layout(comm.rank, comm.size, tp, strided)
+        sub = comm.Split(self.index, key)
+        self.backend = make_backend("mpi", comm=sub, timeout=OP_TIMEOUT)
+        sub.Free()
+
+    def __enter__(self) -> _TPGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.backend.close()
+
+
+def _pair(value: Any, who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(value, tuple | list) and len(value) == 2
+            and all(isinstance(t, torch.Tensor) for t in value)):
+        raise TypeError(f"{who} returned {type(value).__name__}, not a pair of tensors "
+                        "(weight, bias)")
+    return value[0], value[1]
+
+
+def tp_blocks(column_block: Callable, row_block: Callable, group: Any) -> list[torch.Tensor]:
+    """This rank's blocks of the MLP, by the learner's ``column_block`` and ``row_block``."""
+    mlp = tp_mlp()
+    w1, b1 = _pair(column_block(mlp.fc1.weight.detach().clone(), mlp.fc1.bias.detach().clone(),
+                                group), "column_block")
+    w2, b2 = _pair(row_block(mlp.fc2.weight.detach().clone(), mlp.fc2.bias.detach().clone(),
+                             group), "row_block")
+    return [t.detach().clone() for t in (w1, b1, w2, b2)]
+
+
+def tp_blocks_trial(column_block: Callable, row_block: Callable, tp: int) -> list[torch.Tensor]:
+    """This rank's four blocks (fc1's weight and bias, fc2's weight and bias)."""
+    with _TPGroup(tp) as group:
+        return tp_blocks(column_block, row_block, group.backend)
+
+
+def fg_trial(f: Callable, g: Callable, tp: int) -> dict:
+    """f and g alone on this rank's own input: their outputs, and the input's gradient
+    when this rank's own cotangent flows back (None where none reached it)."""
+    with _TPGroup(tp) as group:
+        out = {}
+        for name, op in (("f", f), ("g", g)):
+            x, cotangent = fg_data(world().rank)
+            x.requires_grad_()
+            y = op(x, group.backend)
+            if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+                raise TypeError(f"{name} returned {type(y).__name__} "
+                                f"{tuple(getattr(y, 'shape', ()))}, not a tensor shaped like "
+                                f"its input {tuple(x.shape)}")
+            if y.requires_grad:
+                y.backward(cotangent)
+            out[name] = {"forward": y.detach().clone(), "linked": y.requires_grad,
+                         "backward": None if x.grad is None else x.grad.clone()}
+        return out
+
+
+def fg_reference(tp: int, size: int) -> list[dict]:
+    """Every rank's f and g, from the closed forms: f is the identity forward and sums
+    over the group backward; g sums over the group forward and is the identity backward.
+    ``world_*``: the sums over all ``size`` ranks instead, what using the world gives."""
+    data = [fg_data(r) for r in range(size)]
+    xs, cots = [d[0] for d in data], [d[1] for d in data]
+    out = []
+    for r in range(size):
+        members = [m for m in range(size) if tp_layout(m, size, tp)[0] == tp_layout(r, size,
+                                                                                     tp)[0]]
+        out.append({"f": {"forward": xs[r], "backward": sum(cots[m] for m in members)},
+                    "g": {"forward": sum(xs[m] for m in members), "backward": cots[r]},
+                    "world_forward": sum(xs), "world_backward": sum(cots)})
+    return out
+
+
+FG_WHAT = {("f", "forward"): "f's forward (the identity)",
+           ("f", "backward"): "f's backward (the sum of the gradients over the group)",
+           ("g", "forward"): "g's forward (the sum over the group)",
+           ("g", "backward"): "g's backward (the identity)"}
+
+
+def fg_problem(got: dict, want: dict, tp: int, size: int) -> str | None:
+    """What is wrong with one rank's f and g, in plain words; None if nothing."""
+    from pcourse.tools.grading.harness import tensors_differ
+
+    for name in ("f", "g"):
+        if not got[name]["linked"]:
+            return (f"{name}'s output does not require grad: it is cut off from its input, "
+                    "so no gradient flows back through it")
+        for way in ("forward", "backward"):
+            mine, right = got[name][way], want[name][way]
+            what = FG_WHAT[name, way]
+            if mine is None:
+                return f"{what}: no gradient reached the input (did backward return None?)"
+            problem = tensors_differ([mine], [right], [what], rtol=1e-12, atol=1e-12)
+            if problem and size > tp and tensors_differ([mine], [want[f"world_{way}"]],
+                                                        rtol=1e-12, atol=1e-12) is None:
+                return (f"{what} is the sum over all {size} ranks, not over this rank's group "
+                        f"of {tp}: reduce over the group you are given, never the world")
+            if problem:
+                other, why = _fg_mixups(want)[name, way]
+                if tensors_differ([mine], [other], rtol=1e-12, atol=1e-12) is None:
+                    return f"{problem}: {why}"
+                return problem
+    return None
+
+
+def _fg_mixups(want: dict) -> dict:
+    """What each of f's and g's directions gives when it does the other's job, and why not."""
+    return {("f", "forward"): (want["g"]["forward"], "it is the sum over the group; going "
+                               "forward f is the identity (the sum is g's)"),
+            ("f", "backward"): (want["g"]["backward"], "it is this rank's own gradient only; "
+                                "going backward f sums the gradients over the group"),
+            ("g", "forward"): (want["f"]["forward"], "it is this rank's own input only; going "
+                               "forward g sums over the group"),
+            ("g", "backward"): (want["f"]["backward"], "it is the sum over the group; going "
+                                "backward g is the identity (the sum is f's)")}
+
+
+def tp_mlp_trial(column_block: Callable, row_block: Callable, column_linear: Callable,
+                 row_linear: Callable, tp: int, strided: bool = False) -> dict:
+    """The MLP split over this rank's group by the learner's four functions, on the
+    group's batch: its output, and the gradients of the input and of this rank's blocks."""
+    with _TPGroup(tp, strided) as group:
+        params = [t.requires_grad_() for t in tp_blocks(column_block, row_block,
+                                                        group.backend)]
+        w1, b1, w2, b2 = params
+        x, weights = tp_batch(group.index)
+        x.requires_grad_()
+        hidden = column_linear(x, w1, b1, group.backend)
+        out = row_linear(torch.nn.functional.gelu(hidden), w2, b2, group.backend)
+        if not isinstance(out, torch.Tensor) or out.shape != weights.shape:
+            raise TypeError(f"the MLP's output is {type(out).__name__} "
+                            f"{tuple(getattr(out, 'shape', ()))}, expected a tensor "
+                            f"{tuple(weights.shape)}")
+        if out.requires_grad:
+            (out * weights).sum().backward()
+        return {"out": out.detach().clone(), "group": group.index,
+                "grads": [None if t.grad is None else t.grad.clone() for t in [x, *params]]}
+
+
+TP_NAMES = ["the input x", "fc1's weight block", "fc1's bias block", "fc2's weight block",
+            "fc2's bias"]
+
+
+def one_process_mlp(group_index: int) -> dict:
+    """One process, the whole MLP, on group ``group_index``'s batch: output and gradients.
+
+    ``hidden``: the gradient of fc1's output, from which each rank's own part of the
+    input's gradient follows (what a rank holds before f sums them).
+    """
+    mlp = tp_mlp()
+    x, weights = tp_batch(group_index)
+    x.requires_grad_()
+    hidden = mlp.fc1(x)
+    hidden.retain_grad()
+    out = mlp.fc2(torch.nn.functional.gelu(hidden))
+    (out * weights).sum().backward()
+    return {"out": out.detach(), "bias": mlp.fc2.bias.detach(), "hidden": hidden.grad,
+            "fc1": mlp.fc1.weight.detach(),
+            "grads": [x.grad, mlp.fc1.weight.grad, mlp.fc1.bias.grad, mlp.fc2.weight.grad,
+                      mlp.fc2.bias.grad]}
+
+
+def tp_block_reference(full: list[torch.Tensor], tp: int, rank: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s blocks of [fc1 weight, fc1 bias, fc2 weight, fc2 bias] (or of their
+    gradients): fc1 split by its output features (rows), fc2 by its input features
+    (columns), fc2's bias whole."""
+    n = full[0].shape[0] // tp
+    rows = slice(rank * n, (rank + 1) * n)
+    return [full[0][rows], full[1][rows], full[2][:, rows], full[3]]
+
+
+def tp_blocks_problem(got: list[torch.Tensor], tp: int, rank: int) -> str | None:
+    """What is wrong with one rank's four blocks of the MLP, in plain words; None if nothing."""
+    from pcourse.tools.grading.harness import tensors_differ
+
+    mlp = tp_mlp()
+    whole = [t.detach() for t in (mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)]
+    want = tp_block_reference(whole, tp, rank)
+    n = TP_HIDDEN // tp
+    first, last = rank * n, (rank + 1) * n
+    names = ["column_block's weight", "column_block's bias", "row_block's weight",
+             "row_block's bias"]
+    should = [f"rows {first} to {last} (this rank's output features) of the whole "
+              f"{tuple(whole[0].shape)} weight: torch stores a weight as [out_features, "
+              "in_features]",
+              f"elements {first} to {last} of the whole bias",
+              f"columns {first} to {last} (this rank's input features) of the whole "
+              f"{tuple(whole[2].shape)} weight",
+              "the whole bias (added once, after the sum)"]
+    for mine, right, name, block in zip(got, want, names, should, strict=True):
+        problem = tensors_differ([mine], [right], [name], rtol=0, atol=0)
+        if problem:
+            return f"{problem}: it should be {block}"
+    return None
+
+
+def tp_forward_problem(got: dict, want: dict, tp: int) -> str | None:
+    """What is wrong with one rank's MLP output; None if nothing."""
+    from pcourse.tools.grading.harness import tensors_differ
+
+    problem = tensors_differ([got["out"]], [want["out"]], ["the MLP's output"],
+                             rtol=1e-12, atol=1e-12)
+    if problem and tensors_differ([got["out"]], [want["out"] + (tp - 1) * want["bias"]],
+                                  rtol=1e-12, atol=1e-12) is None:
+        return (f"{problem}: fc2's bias was added {tp} times, once on every rank; add it "
+                "once, after the sum")
+    return problem
+
+
+def tp_backward_problem(got: dict, want: dict, tp: int, rank: int) -> str | None:
+    """What is wrong with one rank's gradients (the input's, its blocks'); None if nothing."""
+    from pcourse.tools.grading.harness import tensors_differ
+
+    right = [want["grads"][0], *tp_block_reference(want["grads"][1:], tp, rank)]
+    for mine, expected, name in zip(got["grads"], right, TP_NAMES, strict=True):
+        if mine is None:
+            return (f"no gradient reached {name}: the backward pass never got there (was "
+                    "something computed outside autograd, or detached?)")
+        problem = tensors_differ([mine], [expected], [f"the gradient of {name}"],
+                                 rtol=1e-12, atol=1e-12)
+        if problem and name == TP_NAMES[0]:
+            n = TP_HIDDEN // tp
+            rows = slice(rank * n, (rank + 1) * n)
+            own = want["hidden"][..., rows] @ want["fc1"][rows]
+            if tensors_differ([mine], [own], rtol=1e-12, atol=1e-12) is None:
+                return (f"{problem}: it is this rank's own part only; the parts of the group's "
+                        "ranks must be summed (x enters the column-parallel layer through f)")
+        if problem:
+            return problem
+    return None

@@ -1,0 +1,14 @@
+"""The instructor's kit: tools for running the course as a workshop.
+
+- :mod:`~pcourse.tools.workshop.course`: the lesson registry (``course.toml``): the lessons and
+  exercises in order, what each teaches, and the course-wide facts.
+- :mod:`~pcourse.tools.workshop.timings`: execute every notebook and record how long it runs
+  (quick and full mode); ``--render`` regenerates the tables without running anything.
+- :mod:`~pcourse.tools.workshop.render`: the generated blocks of ``README.md``, ``index.ipynb``
+  and ``INSTRUCTORS.md`` (the course's table, timing tables, workshop plans, and the
+  table of every NOT READY verdict the setup check can print, with the fix).
+- :mod:`~pcourse.tools.workshop.reset`: restore a learner's lesson or exercise to its shipped
+  state, keeping a backup of what it replaces.
+
+Tooling only: nothing here is taught by a lesson.
+"""
