@@ -14,9 +14,9 @@ nccl-cupy      CuPy's NCCL bindings                         GPU
 (``comm``, ``device``, ``timeout``: see :mod:`pcourse.backends.base`). ``comm`` may
 be any part of the job (an MPI sub-communicator), and backends of different parts
 live at once: :class:`pcourse.mesh.Mesh` lays the ranks out on named dimensions and
-makes one per dimension. The MPI and
-CuPy backends run on an MPI job; the torch ones also on a torch.distributed
-process group, under torchrun or torch.multiprocessing
+makes one per dimension. The MPI and CuPy backends run on an MPI job; the torch
+ones too, meeting where :mod:`pcourse.backends.bootstrap` says, or on a
+torch.distributed process group, under torchrun or torch.multiprocessing
 (:mod:`pcourse.backends.torch_dist`). :func:`unavailable_reason` says, without
 communicating, why this machine cannot run one, and given a rank count, why not
 with that many ranks (the NCCL backends need one GPU per rank; at one rank they
