@@ -52,37 +52,35 @@ class RegistryError(ValueError):
     """``course.toml`` is malformed, or disagrees with the course's folders."""
 
 
+class _Notebook:
+    """What a registry entry's file name says: its number (``NN_``) and its name."""
+
+    path: Path
+
+    @property
+    def number(self) -> str:
+        return self.path.name[:2]
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+
 @dataclass(frozen=True)
-class Lesson:
+class Lesson(_Notebook):
     """One lesson of the registry."""
 
     path: Path  # relative to the course root: notebooks/05_franke.ipynb
     teaches: str  # what you learn, in one line
     modules: tuple[str, ...]  # the package modules it teaches: "loop", "backends"
 
-    @property
-    def number(self) -> str:
-        return self.path.name[:2]
-
-    @property
-    def name(self) -> str:
-        return self.path.stem
-
 
 @dataclass(frozen=True)
-class Exercise:
+class Exercise(_Notebook):
     """One exercise of the registry; its solution has the same name in ``solutions/``."""
 
     path: Path  # exercises/03_ring_allreduce.ipynb
     after: str  # the number of the lesson it practises
-
-    @property
-    def number(self) -> str:
-        return self.path.name[:2]
-
-    @property
-    def name(self) -> str:
-        return self.path.stem
 
     @property
     def solution(self) -> Path:
