@@ -244,7 +244,8 @@ def measure_ranks(comm: Any, spec: Spec, progress: jobs.Progress) -> None:
         for (name, mode, impl), run in runs.items():  # torch's computes what ours does
             if impl != "ours":
                 diff = (run.step() - counted[name, mode, "ours"].pop("output")).abs().max()
-                counted[name, mode, impl] = {"max_diff_vs_ours": f"{diff.item():.1e}"}
+                diff = comm.allreduce(diff.item(), op=_max())  # every rank's part of the output
+                counted[name, mode, impl] = {"max_diff_vs_ours": f"{diff:.1e}"}
         times: dict[tuple[str, str, str], list[float]] = {key: [] for key in runs}
         for round_ in range(spec.repeats):
             for key, run in runs.items():
@@ -283,7 +284,7 @@ def row(key: tuple[str, str, str], times: dict, counted: dict, t: int, spec: Spe
     out |= {k: v for k, v in counted.items() if k != "output"}
     if "bytes_sent" in counted:
         out |= {"bytes_theory": round(theory_bytes(mode, t, spec)),
-                          "activation_theory": round(theory_activations(mode, t, spec))}
+                "activation_theory": round(theory_activations(mode, t, spec))}
     return out
 
 
