@@ -141,9 +141,10 @@ LAUNCHER_PROBE = textwrap.dedent("""
     ["mnist", "--quick", "--ranks", "2"],
     ["comm", "--ranks", "2"],
     ["steps", "--ranks", "2"],
+    ["tp", "--ranks", "2"],
 ])
 def test_the_launcher_starts_the_ranks_without_torch(tmp_path: Path, argv) -> None:
-    out = ["--out", str(tmp_path / ("r.csv" if argv[0] in ("comm", "steps") else "r"))]
+    out = ["--out", str(tmp_path / ("r.csv" if argv[0] in ("comm", "steps", "tp") else "r"))]
     env = {**os.environ, mnist.DOWNLOAD_VAR: "0"}
     done = subprocess.run([sys.executable, "-c", LAUNCHER_PROBE, *argv, *out], env=env,
                           capture_output=True, text=True, timeout=120)

@@ -1,4 +1,5 @@
-"""``python -m pcourse.tools.bench franke|mnist|steps|comm|versus-source|mpich-allreduce|sharding``.
+"""``python -m pcourse.tools.bench MODE``: franke, mnist, steps, comm, versus-source,
+mpich-allreduce, sharding or tp.
 
 One front door.
 
@@ -7,7 +8,8 @@ to :mod:`pcourse.tools.bench.steps` and :mod:`pcourse.tools.bench.commbench`; ``
 times the scaling command beside the source's own script
 (:mod:`pcourse.tools.bench.versus`); ``mpich-allreduce`` forces each of MPICH's allreduce
 algorithms in turn (:mod:`pcourse.tools.bench.mpich`); ``sharding`` sets ZeRO and FSDP beside
-torch's own (:mod:`pcourse.tools.bench.sharding`). Nothing heavy is imported here: the benchmark's
+torch's own (:mod:`pcourse.tools.bench.sharding`); ``tp`` tensor parallelism beside torch's
+DTensor (:mod:`pcourse.tools.bench.tp`). Nothing heavy is imported here: the benchmark's
 launcher starts its ranks before anything loads torch.
 """
 
@@ -16,7 +18,7 @@ import sys
 COMMANDS = {"steps": "pcourse.tools.bench.steps", "comm": "pcourse.tools.bench.commbench",
             "versus-source": "pcourse.tools.bench.versus",
             "mpich-allreduce": "pcourse.tools.bench.mpich",
-            "sharding": "pcourse.tools.bench.sharding"}
+            "sharding": "pcourse.tools.bench.sharding", "tp": "pcourse.tools.bench.tp"}
 
 
 def main(argv: list[str] | None = None) -> int:
