@@ -198,7 +198,7 @@ def _run_all_fresh(page) -> None:
     assert not any(t.strip() for t in _outputs(page)), "outputs left after clearing"
     assert not started.count(), "execution counts left after clearing"
     _menu(page, "Run", "Run All Cells")
-    started.first.wait_for(state="attached")
+    started.first.wait_for(state="attached", timeout=RUN_TIMEOUT * 1000)  # loaded machines are slow
 
 
 def _wait_done(page, timeout_s: float = RUN_TIMEOUT) -> None:
