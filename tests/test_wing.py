@@ -168,7 +168,9 @@ def _lesson_lines():
 
 def _node(tree: ast.AST, qualname: str) -> ast.AST:
     for part in qualname.split("."):
-        tree = next(n for n in tree.body if getattr(n, "name", None) == part)
+        found = [n for n in tree.body if getattr(n, "name", None) == part]
+        assert found, f"no {part!r} of {qualname!r} at its place in the file"
+        tree = found[0]
     return tree
 
 
@@ -176,11 +178,16 @@ def _read_lines(obj) -> dict[tuple[str, int], bool]:
     """(file, line) -> whether it is code, for one object's source: its node in its module's
     ast, decorators included; code by its tokens (anything but comments and line ends),
     docstrings out."""
-    obj = getattr(obj, "__wrapped__", obj)  # torch.no_grad() wraps: the source is the inner
+    # torch.no_grad() wraps, and torch's Optimizer wraps a subclass's step again once one is
+    # made: the source is the innermost
+    obj = inspect.unwrap(obj)
     path = inspect.getsourcefile(obj)
     text = Path(path).read_text()
     tree = ast.parse(text)
-    node = tree if inspect.ismodule(obj) else _node(tree, obj.__qualname__)
+    try:
+        node = tree if inspect.ismodule(obj) else _node(tree, obj.__qualname__)
+    except AssertionError as exc:
+        raise AssertionError(f"{obj!r} in {path}: {exc}") from None
     first = min([getattr(node, "lineno", 1), *(d.lineno for d in
                                                getattr(node, "decorator_list", []))])
     last = getattr(node, "end_lineno", len(text.splitlines()))
