@@ -71,7 +71,8 @@ def main() -> int:
             for name, order_of in {**ORDERS, "off-by-one": off_by_one}.items():
                 mine.zero_grad()
                 got, tl = run_step(stage, order_of(SIZE, RANK, m), m, N, x, y)
-                err = max((p.grad - r).abs().max().item() for p, r in zip(mine.parameters(), ref, strict=True))
+                err = max((p.grad - r).abs().max().item()
+                          for p, r in zip(mine.parameters(), ref, strict=True))
                 expect(err < 1e-12, f"{name} m={m}: gradients differ by {err:.2e}")
                 if got is not None:
                     expect(abs(got.item() - want_loss) < 1e-12, f"{name} m={m}: loss {got.item()}"
