@@ -227,8 +227,10 @@ def run_step(stage: Stage, order: Sequence[Action], m: int, batch: int,
     for kind, i in order:
         if kind == "F":
             rows = slice(starts[i], starts[i] + sizes[i])
-            out = stage.forward(i, None if inputs is None else inputs[rows],
-                                None if targets is None else targets[rows],
+            # each micro-batch a tensor of its own, so that what autograd saves of it
+            # is its own bytes, not the whole batch's storage
+            out = stage.forward(i, None if inputs is None else inputs[rows].clone(),
+                                None if targets is None else targets[rows].clone(),
                                 sizes[i], sizes[i] / batch, timeline)
             if out is not None:
                 loss = out if loss is None else loss + out

@@ -1,4 +1,4 @@
-"""``python -m pcourse.bench franke|mnist|steps|comm|versus-source|mpich-allreduce|sharding``.
+"""``python -m pcourse.bench franke|mnist|steps|comm|versus-source|mpich-allreduce|sharding|pp``.
 
 One front door.
 
@@ -7,15 +7,17 @@ to :mod:`pcourse.bench.steps` and :mod:`pcourse.bench.commbench`; ``versus-sourc
 times the scaling command beside the source's own script
 (:mod:`pcourse.bench.versus`); ``mpich-allreduce`` forces each of MPICH's allreduce
 algorithms in turn (:mod:`pcourse.bench.mpich`); ``sharding`` sets ZeRO and FSDP beside
-torch's own (:mod:`pcourse.bench.sharding`). Nothing heavy is imported here: the benchmark's
-launcher starts its ranks before anything loads torch.
+torch's own (:mod:`pcourse.bench.sharding`); ``pp`` the pipeline's bubble and memory
+beside the prediction, and beside torch's pipelining (:mod:`pcourse.bench.pp`).
+Nothing heavy is imported here: the benchmark's launcher starts its ranks before
+anything loads torch.
 """
 
 import sys
 
 COMMANDS = {"steps": "pcourse.bench.steps", "comm": "pcourse.bench.commbench",
             "versus-source": "pcourse.bench.versus", "mpich-allreduce": "pcourse.bench.mpich",
-            "sharding": "pcourse.bench.sharding"}
+            "sharding": "pcourse.bench.sharding", "pp": "pcourse.bench.pp"}
 
 
 def main(argv: list[str] | None = None) -> int:
