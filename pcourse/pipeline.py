@@ -142,11 +142,14 @@ class Stage:
     ``in_shape``: what one sample entering this stage looks like (its features), so
     that a received activation's buffer is made without a message about its size.
     The last stage computes ``loss_fn(output, target)`` (a mean over the micro-batch).
+    ``dtype``: of what arrives (default: the module's parameters').
     """
 
     def __init__(self, module: nn.Module, group: Backend, in_shape: Sequence[int],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype | None = None) -> None:
+        if dtype is None:  # what arrives is what the previous stage computes in
+            dtype = next(module.parameters(), torch.empty(0)).dtype
         self.module, self.group, self.in_shape, self.dtype = module, group, tuple(in_shape), dtype
         self.rank, self.p = group.rank, group.size
         self.prev = self.rank - 1 if self.rank > 0 else None
