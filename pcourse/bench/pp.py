@@ -281,7 +281,11 @@ def measure(comm: Any, spec: Spec, progress: jobs.Progress) -> None:
     versus = versus_torch(spec.ranks, max(spec.ms), spec, spec.repeats)
     if comm.rank == 0:
         progress.outcome.rows = bubble_rows(timed, spec)
-        progress.outcome.notes = [cores_note(spec.ranks, cores)] + versus_lines(versus)
+        load = os.getloadavg()[0]
+        busy = (f"load average {load:.1f} on {cores} cores: other processes shared them, so "
+                "the bubbles measured are above the schedule's" if load > cores else
+                f"load average {load:.1f} on {cores} cores")
+        progress.outcome.notes = [cores_note(spec.ranks, cores), busy] + versus_lines(versus)
 
 
 def versus_lines(v: dict | None) -> list[str]:
