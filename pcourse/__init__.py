@@ -13,7 +13,8 @@ the two together):
     ``backends/``      one allreduce interface (``base``) and the four real backends:
                        ``mpi`` (mpi4py), ``torch_dist`` (Gloo, NCCL), ``cupy_nccl``;
                        ``counting``, a wrapper that counts the bytes sent, and ``groups``,
-                       a torch process group as a backend (04, 10)
+                       a torch process group as a backend; point-to-point ``send`` and
+                       ``recv`` (04, 10, 12)
     ``loop``           the training loop every lesson and benchmark runs (05)
     ``workloads/``     the source's two workloads: ``franke``, ``mnist`` + ``vae``; and
                        ``transformer``, a small causal transformer to split (05, 06, 11)
@@ -29,6 +30,7 @@ the two together):
                        sequence parallelism (11)
     ``mesh``           named dimensions of ranks and a group per dimension (11)
     ``activations``    what autograd saves for backward, counted (11)
+    ``pipeline``       stages, micro-batches, the GPipe and 1F1B schedules (12)
 
 Under both, the runtime layer (``runtime/``): ranks and devices (``ranks``), waits with
 deadlines (``waits``), and the private names of torch, ipyparallel and ipykernel the

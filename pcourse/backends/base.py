@@ -193,6 +193,38 @@ class Backend(ABC):
         """Release communicators; the backend must not be used afterwards."""
         return None
 
+    # ---------------------------------------------- point to point (lesson 12)
+    def send(self, tensor: torch.Tensor, dst: int) -> Work:
+        """Start sending ``tensor`` (contiguous, on ``device``; MPI: CPU) to rank ``dst``;
+        ``wait()`` on the result, before changing ``tensor``, waits with the deadline.
+
+        Non-blocking, so that two neighbours that send to each other at once do not
+        wait for each other (a pipeline's activations go one way, gradients the other).
+        Messages from one rank to another arrive in the order they were sent.
+        """
+        raise NotImplementedError(f"the {self.name} backend has no point-to-point messages; "
+                                  "use mpi or gloo")
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive from rank ``src`` into ``tensor`` (its shape and dtype: what was sent);
+        blocks, interruptibly, at most the backend's ``timeout`` seconds."""
+        raise NotImplementedError(f"the {self.name} backend has no point-to-point messages; "
+                                  "use mpi or gloo")
+
+    def _check_peer(self, tensor: torch.Tensor, peer: int, what: str) -> None:
+        self._check_in_step()
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.size \
+                or peer == self.rank:
+            raise ValueError(f"{what}: the peer must be another rank from 0 to {self.size - 1}, "
+                             f"got {peer!r} on rank {self.rank}")
+        import torch
+
+        want = torch.device("cpu") if self.any_device else self.device  # MPI: host memory
+        if tensor.device.type != want.type or not tensor.is_contiguous():
+            raise ValueError(f"{what}: pass a contiguous tensor on {want}, got one on "
+                             f"{tensor.device}" + ("" if tensor.is_contiguous() else
+                                                    ", not contiguous"))
+
     def _wait_for(self, wait: Callable[[], None], what: str) -> None:
         """Run ``wait``, a wait for the other ranks; if it ends early (an interrupt, the
         deadline, a failure), this backend is out of step and refuses further use."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pcourse.backends.base import Backend
+from pcourse.backends.base import Backend, Work
 from pcourse.collectives import cost_terms, half_cost_terms
 
 if TYPE_CHECKING:
@@ -30,7 +30,8 @@ class CountingBackend(Backend):
     from this rank is added to ``sent`` (bytes, by collective) and ``calls``: an
     allreduce of N bytes 2(p-1)/p·N, a reduce-scatter of an N-byte input (p-1)/p·N,
     an all-gather into an N-byte output (p-1)/p·N, a broadcast N (the most any rank
-    sends down a chain). The agreement checks run inside the wrapped backend and
+    sends down a chain), a point-to-point send N (lesson 12). The agreement checks
+    run inside the wrapped backend and
     are not counted. ``close()`` leaves the wrapped backend open: it is the caller's.
     """
 
@@ -75,6 +76,13 @@ class CountingBackend(Backend):
         _, volume = half_cost_terms(self.size)
         self._count("all_gather", volume * _nbytes(output))
         return self.inner.all_gather(output, input, check=check)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> Work:
+        self._count("send", _nbytes(tensor))  # a message: its bytes, once
+        return self.inner.send(tensor, dst)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        return self.inner.recv(tensor, src)  # counted where it was sent
 
     def max_over_ranks(self, v: np.ndarray) -> np.ndarray:
         return self.inner.max_over_ranks(v)  # an agreement check: not the workload's bytes

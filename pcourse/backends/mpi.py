@@ -81,6 +81,19 @@ class _MPICommBackend(Backend):
         """Wait for a nonblocking MPI operation: interruptibly, with the deadline."""
         self._wait_for(lambda: wait_request(request, self.timeout, what), what)
 
+    def send(self, tensor: torch.Tensor, dst: int) -> Work:
+        """``Isend`` of the tensor's own memory; waited for with the deadline."""
+        self._check_peer(tensor, dst, "send")
+        request = self._live().Isend(_raw(tensor).numpy(), dest=dst)
+        return Pending(lambda: self._wait(request, f"send to rank {dst}"), keep=(tensor,),
+                       test=request.Test)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """``Irecv`` into the tensor's own memory, waited for with the deadline."""
+        self._check_peer(tensor, src, "recv")
+        self._wait(self._live().Irecv(_raw(tensor).numpy(), source=src), f"recv from rank {src}")
+        return tensor
+
     def _live(self) -> Any:
         if self.comm is None:
             raise RuntimeError(f"{self.name} backend was closed; create a new one")
@@ -183,6 +196,13 @@ class MPIBackend(_MPICommBackend, AsyncBackend):
         if staged:
             output.detach().copy_(recv.view_as(output))
         return output
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as a dtype numpy (and so MPI) knows: bfloat16 and bool as ints."""
+    t = tensor.detach()
+    raw = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}.get(t.dtype)
+    return t if raw is None else t.view(raw)
 
 
 def _mpi_has_float16() -> bool:

@@ -49,7 +49,7 @@ from pcourse.backends.base import (
     private_comm,
 )
 from pcourse.runtime.ranks import launcher, pick_gpu
-from pcourse.runtime.waits import poll_work, wait_work
+from pcourse.runtime.waits import poll_work, wait_p2p, wait_work
 
 _kept: list[Any] = []  # groups with a collective given up on mid-way (see close)
 
@@ -212,6 +212,25 @@ class _TorchBackend(AsyncBackend):
         # Gloo has no AVG: a sum, divided as avg_divisors says; NCCL has one (native_avg).
         return {"sum": R.SUM, "avg": R.AVG if self.native_avg else R.SUM, "max": R.MAX,
                 "min": R.MIN, "prod": R.PRODUCT}[op]
+
+    # ---------------------------------------------- point to point (lesson 12)
+    def send(self, tensor: torch.Tensor, dst: int) -> Work:
+        """torch.distributed's ``isend`` on this group (``dst``: the rank in it)."""
+        self._check_peer(tensor, dst, "send")
+        handle = self._dist.isend(tensor.detach(), group=self._live(), group_dst=dst)
+        return Pending(lambda: self._wait_p2p(handle, f"send to rank {dst}"), keep=(tensor,))
+
+    def _wait_p2p(self, handle: Any, what: str) -> None:
+        """Wait for an isend/irecv until the deadline (:func:`pcourse.runtime.waits.wait_p2p`
+        says why in one wait); a Gloo send says it is done only to ``wait``."""
+        self._wait_for(lambda: wait_p2p(handle, self.timeout, what), what)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """torch.distributed's ``irecv``, polled until done or the deadline."""
+        self._check_peer(tensor, src, "recv")
+        handle = self._dist.irecv(tensor.detach(), group=self._live(), group_src=src)
+        self._wait_p2p(handle, f"recv from rank {src}")
+        return tensor
 
     # ---------------------------------------------------- sharding (lesson 10)
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,

@@ -95,6 +95,26 @@ def wait_work(handle: Any, in_slices: bool) -> None:
                 return
 
 
+def wait_p2p(handle: Any, timeout: float, what: str) -> None:
+    """``handle.wait()`` for torch's point-to-point work (lesson 12), with a deadline:
+    CollectiveTimeout after ``timeout`` s.
+
+    One wait, not slices: Gloo ends a send's or receive's work at the first wait that
+    times out (a second wait raises the same error), so a sliced wait would give up on
+    a message still on its way. An interrupt therefore lands only when the wait ends;
+    :func:`watch_interrupts` ends a rank that does not stop in time.
+    """
+    try:
+        handle.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise
+        raise CollectiveTimeout(
+            f"rank {_rank()}: {what} did not complete within {timeout:g} s: the peer never "
+            "joined it (it failed, was interrupted, or runs different code). The ranks are "
+            "out of step now: restart the cluster (start_cluster) or the job.") from None
+
+
 def poll_work(handle: Any, timeout: float, what: str) -> None:
     """Wait for ``handle`` by asking whether it is done, interruptibly, at most ``timeout`` s.
 

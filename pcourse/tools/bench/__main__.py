@@ -1,5 +1,5 @@
 """``python -m pcourse.tools.bench MODE``: franke, mnist, steps, comm, versus-source,
-mpich-allreduce, sharding or tp.
+mpich-allreduce, sharding, tp or pp.
 
 One front door.
 
@@ -9,7 +9,8 @@ times the scaling command beside the source's own script
 (:mod:`pcourse.tools.bench.versus`); ``mpich-allreduce`` forces each of MPICH's allreduce
 algorithms in turn (:mod:`pcourse.tools.bench.mpich`); ``sharding`` sets ZeRO and FSDP beside
 torch's own (:mod:`pcourse.tools.bench.sharding`); ``tp`` tensor parallelism beside torch's
-DTensor (:mod:`pcourse.tools.bench.tp`). Nothing heavy is imported here: the benchmark's
+DTensor (:mod:`pcourse.tools.bench.tp`); ``pp`` the pipeline's bubble and memory beside
+the prediction, and beside torch's pipelining (:mod:`pcourse.tools.bench.pp`). Nothing heavy is imported here: the benchmark's
 launcher starts its ranks before anything loads torch.
 """
 
@@ -18,7 +19,8 @@ import sys
 COMMANDS = {"steps": "pcourse.tools.bench.steps", "comm": "pcourse.tools.bench.commbench",
             "versus-source": "pcourse.tools.bench.versus",
             "mpich-allreduce": "pcourse.tools.bench.mpich",
-            "sharding": "pcourse.tools.bench.sharding", "tp": "pcourse.tools.bench.tp"}
+            "sharding": "pcourse.tools.bench.sharding", "tp": "pcourse.tools.bench.tp",
+            "pp": "pcourse.tools.bench.pp"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,352 @@
+"""Pipeline parallelism measured: ``python -m pcourse.tools.bench pp [options]`` (lesson 12).
+
+On p ranks of an MPI job (or p engines of the lesson), one pipeline of p equal
+stages (:mod:`pcourse.pipeline`) runs steps of GPipe and 1F1B at several micro-batch
+counts m. Per step, every rank records its timeline; from it come the **bubble** (the
+idle fraction of the step on each rank: 1 - its forward and backward time / the step's
+time, the step ending when the last rank ends) beside (p - 1)/(m + p - 1), and the
+**peak activation memory** per rank (the bytes autograd saved for the micro-batches
+held at once, counted after every action) beside the prediction: GPipe m, 1F1B
+min(m, p - rank) micro-batches, each (layers + 1 (+ 1 on the last stage, its targets))
+tensors of rows x width values. Then torch's own, ``torch.distributed.pipelining``
+(``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``), on Gloo, on the same model
+and batch: its gradients against ours, and its step time beside ours in one run; or,
+where it does not run, its error. A benchmark's figures, never a test's verdict.
+
+With fewer cores than stages the stages take turns on the cores, and a stage waits
+for a core as well as for its neighbours: the bubble measured is then not the
+schedule's. ``cores_note`` says so, from the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from pcourse.tools.bench import jobs
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What one run measures."""
+
+    ranks: int = 2
+    ms: tuple[int, ...] = (1, 2, 4, 8)
+    width: int = 256
+    layers_per_stage: int = 4
+    batch: int = 512
+    repeats: int = 5
+
+    @classmethod
+    def quick(cls) -> Spec:
+        return cls(width=128, batch=256, repeats=3)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), not the machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def cores_note(p: int, cores: int) -> str:
+    """Whether a timeline of p stages on ``cores`` cores shows the schedule, in one line."""
+    if p <= cores:
+        return f"{p} stages on {cores} cores: every stage has a core; the bubble is the schedule's"
+    return (f"{p} stages on {cores} cores: the stages time-share the cores, so waiting for a "
+            f"core looks like the bubble; the bubble is measured at p = {cores} instead")
+
+
+def make_layers(n: int, width: int, dtype: Any = None) -> list:
+    """n blocks of (Linear, Tanh), seeded: the same model on every rank."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(width, width), nn.Tanh()).to(dtype or torch.float32)
+            for _ in range(n)]
+
+
+def first_ranks(p: int, others: bool = False) -> Any:
+    """COMM_WORLD's first p ranks as a communicator; on the others COMM_NULL, or
+    (``others``) a communicator of the rest (a Gloo backend is made by every rank)."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if not 1 <= p <= world.size:
+        raise ValueError(f"{p} stages asked for, but there are {world.size} ranks")
+    rest = 1 if others else MPI.UNDEFINED
+    return world.Split(0 if world.rank < p else rest, world.rank)
+
+
+def timed_steps(p: int, spec: Spec, backend: str = "mpi") -> dict | None:
+    """On the first p ranks: per schedule and m, the median step's timeline and the peak
+    of the micro-batches (and bytes) held; None on the other ranks. Collective."""
+    import torch
+    from mpi4py import MPI
+    from torch import nn
+
+    from pcourse.backends import make_backend
+    from pcourse.pipeline import (
+        Stage,
+        Timeline,
+        gpipe_order,
+        one_f_one_b_order,
+        run_step,
+        split_model,
+    )
+
+    comm = first_ranks(p)
+    if comm == MPI.COMM_NULL:
+        return None
+    orders = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
+    out: dict[str, Any] = {"rank": comm.rank, "p": p, "cores": usable_cores(), "runs": {}}
+    torch.manual_seed(1)
+    x, y = torch.randn(spec.batch, spec.width), torch.randn(spec.batch, spec.width)
+    with make_backend(backend, comm=comm) as group:
+        module = split_model(make_layers(p * spec.layers_per_stage, spec.width), p, comm.rank)
+        stage = Stage(module, group, (spec.width,), nn.functional.mse_loss)
+        for schedule in SCHEDULES:
+            for m in spec.ms:
+                steps = []
+                for _ in range(spec.repeats + 1):  # the first warms up, and is dropped
+                    module.zero_grad()
+                    group.barrier()
+                    tl = Timeline()
+                    run_step(stage, orders[schedule](p, comm.rank, m), m, spec.batch, x, y, tl)
+                    end = comm.allreduce(tl.end_ms(), op=MPI.MAX)  # the step ends with the last
+                    steps.append({"events": tl.events, "step_ms": end, "busy_ms": tl.busy_ms(),
+                                  "held": max(tl.held), "held_bytes": max(tl.held_bytes)})
+                steps = steps[1:]
+                mid = sorted(steps, key=lambda s: s["step_ms"])[len(steps) // 2]
+                mid["bubbles"] = [1 - s["busy_ms"] / s["step_ms"] for s in steps]
+                out["runs"][schedule, m] = mid
+        out["layers"] = len(module)
+        out["itemsize"] = x.element_size()
+    comm.Free()
+    return out
+
+
+def predicted_bytes(schedule: str, p: int, rank: int, m: int, layers: int, spec: Spec,
+                    itemsize: int) -> int:
+    """Peak bytes of activations stage ``rank`` holds: micro-batches in flight x what
+    one saves (its input, each Tanh's output, and on the last stage its targets)."""
+    from pcourse.pipeline import in_flight_prediction, micro_sizes
+
+    rows = max(micro_sizes(spec.batch, m))
+    tensors = layers + 1 + (rank == p - 1)
+    return in_flight_prediction(schedule, p, rank, m) * tensors * rows * spec.width * itemsize
+
+
+def bubble_rows(results: list[dict | None], spec: Spec) -> list[dict]:
+    """Per schedule, m and rank: the bubble and the peak memory, measured and predicted."""
+    from pcourse.pipeline import bubble_fraction, in_flight_prediction
+
+    rows = []
+    for r in (r for r in results if r is not None):
+        p = r["p"]
+        for (schedule, m), run in sorted(r["runs"].items()):
+            rows.append({
+                "schedule": schedule, "p": p, "m": m, "rank": r["rank"],
+                "bubble": round(statistics.median(run["bubbles"]), 3),
+                "bubble_predicted": round(bubble_fraction(p, m), 3),
+                "step_ms": round(run["step_ms"], 2),
+                "held": run["held"], "held_predicted": in_flight_prediction(schedule, p,
+                                                                            r["rank"], m),
+                "bytes": run["held_bytes"],
+                "bytes_predicted": predicted_bytes(schedule, p, r["rank"], m, r["layers"], spec,
+                                                   r["itemsize"])})
+    return rows
+
+
+def versus_torch(p: int, m: int, spec: Spec, repeats: int) -> dict | None:
+    """On the first p ranks, on Gloo: ours and torch.distributed.pipelining, both schedules,
+    on the same model and batch in float64: each one's largest gradient difference from
+    one process, and step times in turns. torch's error, if it does not run."""
+    import torch
+    from mpi4py import MPI
+    from torch import nn
+
+    from pcourse.backends import make_backend
+    from pcourse.pipeline import Stage, gpipe_order, one_f_one_b_order, run_step, split_model
+
+    comm = first_ranks(p, others=True)
+    if MPI.COMM_WORLD.rank >= p:  # Gloo's groups are made by every rank: these sit out
+        make_backend("gloo", comm=comm, timeout=60).close()
+        comm.Free()
+        return None
+    torch.manual_seed(1)
+    x, y = torch.randn(spec.batch, spec.width, dtype=torch.float64), \
+        torch.randn(spec.batch, spec.width, dtype=torch.float64)
+    layers = make_layers(p * spec.layers_per_stage, spec.width, torch.float64)
+    whole = nn.Sequential(*make_layers(p * spec.layers_per_stage, spec.width, torch.float64))
+    nn.functional.mse_loss(whole(x), y).backward()
+    first = sum(len(split_model(layers, p, r)) for r in range(comm.rank))
+    mine = split_model(layers, p, comm.rank)
+    want = [q.grad for layer in whole[first:first + len(mine)] for q in layer.parameters()]
+    out: dict[str, Any] = {"errors": {}, "times": {}, "error": ""}
+    with make_backend("gloo", comm=comm, timeout=60) as group:
+        stage = Stage(mine, group, (spec.width,), nn.functional.mse_loss, torch.float64)
+        ours = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
+        runs = {f"ours {s}": (lambda s=s: run_step(stage, ours[s](p, comm.rank, m), m,
+                                                   spec.batch, x, y)) for s in SCHEDULES}
+        try:
+            runs |= torch_schedules(mine, comm.rank, p, m, group, x, y)
+        except Exception as exc:  # noqa: BLE001 - torch's refusal is a result to show
+            out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        for name, step in runs.items():
+            mine.zero_grad()
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - shown, not hidden
+                out["error"] = f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                break
+            out["errors"][name] = max((q.grad - w).abs().max().item()
+                                      for q, w in zip(mine.parameters(), want, strict=True))
+        good = [n for n in runs if n in out["errors"]]
+        out["times"] = {n: [] for n in good}
+        for _ in range(repeats + 1):
+            for name in good:
+                mine.zero_grad()
+                group.barrier()
+                t0 = time.perf_counter()
+                runs[name]()
+                out["times"][name].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+        out["times"] = {n: t[1:] for n, t in out["times"].items()}
+    comm.Free()
+    return out
+
+
+def torch_schedules(module: Any, rank: int, p: int, m: int, group: Any, x: Any, y: Any
+                    ) -> dict[str, Any]:
+    """torch's PipelineStage on our Gloo group, and a step of each of its schedules."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stage = PipelineStage(module, rank, p, torch.device("cpu"), group=group.group)
+
+    def step_of(kind: type) -> Any:
+        schedule = kind(stage, m, loss_fn=torch.nn.functional.mse_loss)
+
+        def step() -> None:
+            if rank == 0:
+                schedule.step(x)
+            elif rank == p - 1:
+                schedule.step(target=y, losses=[])
+            else:
+                schedule.step()
+        return step
+
+    return {"torch's gpipe": step_of(ScheduleGPipe), "torch's 1f1b": step_of(Schedule1F1B)}
+
+
+def trace_records(results: list[dict | None], schedule: str, m: int) -> list[dict]:
+    """One step per rank as lesson 07's trace records
+    (``pcourse.tools.bench.trace.chrome_trace``)."""
+    return [{"rank": r["rank"], "buckets": 0, "events": r["runs"][schedule, m]["events"],
+             "workload": f"pipeline {schedule} p={r['p']} m={m}", "backend": "mpi", "cap": 0,
+             "overlap": False} for r in results if r is not None]
+
+
+def plot_timeline(trace: dict, ax: Any, title: str = "") -> None:
+    """Each rank's row of a trace: forwards, backwards, and the waits for a neighbour."""
+    for e in (e for e in trace["traceEvents"] if e["ph"] == "X"):
+        kind, start, ms = e["name"].split()[0], e["ts"] / 1e3, e["dur"] / 1e3
+        colour = {"F": "C0", "B": "C1"}.get(kind, "0.85")
+        ax.barh(e["pid"], ms, left=start, color=colour, edgecolor="k", lw=0.3,
+                label={"F": "forward", "B": "backward"}.get(kind, "waiting"))
+        if kind in "FB" and len(e["name"]) < 6:
+            ax.text(start + ms / 2, e["pid"], e["name"].split()[1], ha="center",
+                    va="center", fontsize=6)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper right")
+    ranks = sorted({e["pid"] for e in trace["traceEvents"]})
+    ax.set_yticks(ranks, [f"stage {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the step's start")
+    ax.set_title(title, fontsize=9)
+
+
+# ---- the command line -----------------------------------------------------------------
+
+
+def measure(comm: Any, spec: Spec, progress: jobs.Progress) -> None:
+    cores = usable_cores()
+    timed = comm.gather(timed_steps(spec.ranks, spec))
+    versus = versus_torch(spec.ranks, max(spec.ms), spec, spec.repeats)
+    if comm.rank == 0:
+        progress.outcome.rows = bubble_rows(timed, spec)
+        load = os.getloadavg()[0]
+        busy = (f"load average {load:.1f} on {cores} cores: other processes shared them, so "
+                "the bubbles measured are above the schedule's" if load > cores else
+                f"load average {load:.1f} on {cores} cores")
+        progress.outcome.notes = [cores_note(spec.ranks, cores), busy] + versus_lines(versus)
+
+
+def versus_lines(v: dict | None) -> list[str]:
+    if v is None:
+        return []
+    lines = [f"{n}: largest gradient difference from one process {e:.1e}"
+             for n, e in v["errors"].items()]
+    lines += [f"{n}: median step {statistics.median(t) * 1e3:.2f} ms"
+              for n, t in v["times"].items()]
+    if v["error"]:
+        lines.append(f"torch.distributed.pipelining on Gloo failed here: {v['error']}")
+    return lines
+
+
+def report(outcome: jobs.Outcome) -> None:
+    print(f"{'schedule':8} {'p':>2} {'m':>2} {'rank':>4} {'bubble':>7} {'predicted':>9} "
+          f"{'held':>4} {'pred':>4} {'peak bytes':>11} {'predicted':>11}")
+    for r in outcome.rows:
+        print(f"{r['schedule']:8} {r['p']:>2} {r['m']:>2} {r['rank']:>4} {r['bubble']:>7.3f} "
+              f"{r['bubble_predicted']:>9.3f} {r['held']:>4} {r['held_predicted']:>4} "
+              f"{r['bytes']:>11} {r['bytes_predicted']:>11}")
+    for line in outcome.notes:
+        print(line)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pcourse.tools.bench pp",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=jobs.whole(2, 64), default=None, help="stages (default 2)")
+    p.add_argument("--ms", nargs="+", type=jobs.whole(1), default=None,
+                   help="micro-batch counts (default 1 2 4 8)")
+    p.add_argument("--repeats", type=jobs.whole(1), default=None)
+    p.add_argument("--quick", action="store_true", help="a narrower model, fewer repeats")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the MPI job")
+    p.add_argument("--oversubscribe", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pcourse.runtime.ranks import launcher
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    base = Spec.quick() if args.quick else Spec()
+    spec = dataclasses.replace(base, **{k: (tuple(v) if isinstance(v, list) else v)
+                                        for k in ("ranks", "ms", "repeats")
+                                        if (v := getattr(args, k)) is not None})
+    if launcher() == "mpi":
+        jobs.rank_main(measure, spec, report)
+    try:
+        note = jobs.check_ranks([spec.ranks], args.oversubscribe)
+    except jobs.BenchError as exc:
+        parser().error(f"{exc}\nNothing was started.")
+    if note:
+        print(note)
+    outcome = jobs.launch("pcourse.tools.bench.pp", argv, spec.ranks, timeout=args.timeout,
+                          env={"OMP_NUM_THREADS": "1"})
+    report(outcome)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
