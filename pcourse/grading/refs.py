@@ -939,14 +939,20 @@ class PipeGroup:
     ``send`` posts MPI's Isend of a float64 copy and returns at once (the trial waits for
     every send after the learner's loop, with a deadline); ``recv`` waits for a message
     polling MPI's Irecv, and past the deadline raises DeadlockError saying who waited for
-    what. The micro-batch number is the message's tag: a message cannot be taken for
-    another micro-batch's.
+    what. The micro-batch number, after ``base``, is the message's tag: a message cannot be
+    taken for another micro-batch's, nor for one of another m run on the same communicator.
     """
 
-    def __init__(self, comm: Any, timeout: float) -> None:
-        self.comm, self.timeout = comm, timeout
+    def __init__(self, comm: Any, timeout: float, m: int, base: int = 0) -> None:
+        self.comm, self.timeout, self.m, self.base = comm, timeout, m, base
         self.rank, self.size = comm.rank, comm.size
         self.pending: list[tuple[Any, np.ndarray, str]] = []  # requests, buffers they keep
+
+    def _tag(self, i: Any) -> int:
+        if not isinstance(i, int | np.integer) or not 0 <= i < self.m:
+            raise ValueError(f"stage {self.rank} sent or received micro-batch {i!r}: there are "
+                             f"m = {self.m}, numbered 0 to {self.m - 1}")
+        return self.base + int(i)
 
     def _peer(self, peer: Any, what: str) -> int:
         if not isinstance(peer, int | np.integer) or not 0 <= peer < self.size \
@@ -968,9 +974,10 @@ class PipeGroup:
         if tuple(tensor.shape) != (PIPE_MICRO, PIPE_WIDTH):
             raise ValueError(f"group.send got a tensor of shape {tuple(tensor.shape)}; every "
                              f"message here is one micro-batch, {(PIPE_MICRO, PIPE_WIDTH)}")
+        tag = self._tag(i)
         buf = np.ascontiguousarray(tensor.detach().double().numpy()).copy()
         what = f"micro-batch {int(i)}'s tensor from stage {self.rank} to stage {dest}"
-        self.pending.append((self.comm.Isend(buf, dest, int(i)), buf, what))
+        self.pending.append((self.comm.Isend(buf, dest, tag), buf, what))
 
     def recv(self, source: int, i: int) -> torch.Tensor:
         """Wait for micro-batch ``i``'s tensor from rank ``source``; a new float64 tensor."""
@@ -979,9 +986,11 @@ class PipeGroup:
 
         source = self._peer(source, "received from")
         buf = np.empty((PIPE_MICRO, PIPE_WIDTH))
+        request = self.comm.Irecv(buf, source, self._tag(i))
         try:
-            wait_request(self.comm.Irecv(buf, source, int(i)), self.timeout)
+            wait_request(request, self.timeout)
         except CollectiveTimeout:
+            request.Cancel()  # withdrawn: no late message lands in it
             raise DeadlockError(
                 f"stage {self.rank} waited {self.timeout:g} s for micro-batch {int(i)}'s tensor "
                 f"from stage {source} (group.recv({source}, {int(i)})) and it never came: a "
@@ -1012,11 +1021,11 @@ def pipe_stage_trial(run_stage: Callable, one_f_one_b: Callable | None,
     reference 1F1B order, or, given ``one_f_one_b``, with the learner's own."""
     from pcourse.grading.trials import OP_TIMEOUT
 
-    comm = world()
+    comm = world()  # a fresh one for every run; each m its own tags on it
     p, rank = comm.size, comm.rank
-    groups = [PipeGroup(comm.Dup(), OP_TIMEOUT) for _ in ms]  # all before the learner's code
     out = []
-    for m, group in zip(ms, groups, strict=True):
+    for k, m in enumerate(ms):
+        group = PipeGroup(comm, OP_TIMEOUT, m, base=k * max(ms))
         stage = pipe_stage(p, rank)
         order = (one_f_one_b_reference(p, rank, m) if one_f_one_b is None
                  else _plain_order(one_f_one_b(p, rank, m)))
@@ -1047,7 +1056,9 @@ def pipe_deadlock_trial(run_stage: Callable) -> dict:
 
     comm = world()
     p, rank, m = comm.size, comm.rank, 2
-    group = PipeGroup(comm.Dup(), PIPE_DEADLOCK_TIMEOUT)
+    # A communicator of its own, never freed: the deadlock leaves a message unreceived,
+    # which must not meet a later communicator that reuses the world's context.
+    group = PipeGroup(comm.Dup(), PIPE_DEADLOCK_TIMEOUT, m)
     try:
         run_stage(pipe_stage(p, rank), pipe_deadlock_orders(p, rank), group,
                   *pipe_data(m, p, rank), m)
