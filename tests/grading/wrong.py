@@ -196,6 +196,50 @@ FLOAT_SPREAD = """
                     spread = max(spread, float((hi - lo).max()))
             return spread"""  # a max_spread that skips the integer buffers
 
+PIPE_LOOP = """
+    rank = group.rank
+    first, last = rank == 0, rank == group.size - 1
+    kept = {}
+    for action, i in order:
+        if action == "F":
+            x = inputs[i] if first else group.recv(rank - 1, i).requires_grad_()
+            y = stage(x)
+            if last:
+                y = (y * targets[i]).sum() / m
+            else:
+                group.send(y, rank + 1, i)
+            kept[i] = (x, y)
+        else:
+            x, y = kept.pop(i)
+            if last:
+                y.backward()
+            else:
+                torch.autograd.backward(y, group.recv(rank + 1, i))
+            if not first:
+                group.send(x.grad, rank - 1, i)"""
+
+
+def pipe_loop(old: str, new: str) -> str:
+    """Exercise 10's loop (the solution's) with one piece of it changed."""
+    assert PIPE_LOOP.count(old) == 1, old
+    return PIPE_LOOP.replace(old, new)
+
+
+def pipe_order(warm: str = "min(p - rank - 1, m)", cool_down: bool = True) -> str:
+    """Exercise 10's order from the closed form, with its warm-up written as ``warm``."""
+    tail = "\n    order += [(\"B\", i) for i in range(m - warm, m)]" if cool_down else ""
+    return f"""
+    warm = {warm}
+    order = [("F", i) for i in range(warm)]
+    for k in range(m - warm):
+        order += [("F", warm + k), ("B", k)]{tail}
+    return order"""
+
+
+PIPE_GPIPE = """
+    return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]"""
+
+
 BUCKET = """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     bucket = torch.cat([g.reshape(-1) for g in grads])
@@ -738,6 +782,49 @@ WRONG: dict[str, dict[str, Wrong]] = {
         "per_rank rebound in the learner's cell": Wrong(
             "tampered", [RIGHT] * 8, "rebinds `per_rank`",
             learner_adds("def per_rank(results, test):\n    return None")),
+    },
+    "10_pipeline_schedule": {
+        # regions: one_f_one_b's body, run_stage's body
+        "GPipe's order called 1F1B": Wrong("point", [PIPE_GPIPE, RIGHT], "GPipe's order"),
+        "a warm-up one forward too long": Wrong("point", [pipe_order("min(p - rank, m)"), RIGHT],
+                                                 "forwards before its first backward"),
+        "the warm-up counted from the wrong end": Wrong("point", [pipe_order("min(rank, m)"),
+                                                                  RIGHT], "a warm-up of"),
+        "the cool-down forgotten": Wrong("point", [pipe_order(cool_down=False), RIGHT],
+                                         "never goes backward"),
+        "a warm-up of a hard-coded 2 stages": Wrong("size", [pipe_order("max(min(1 - rank, m), 0)"),
+                                                             RIGHT], "at p=3"),
+        "the last stage sends gradients forward": Wrong("point", [RIGHT, pipe_loop(
+            "group.send(x.grad, rank - 1, i)", "group.send(x.grad, rank + 1, i)")],
+            "gradients back to rank - 1"),
+        "gradients not accumulated across micro-batches": Wrong("point", [RIGHT, pipe_loop(
+            "x, y = kept.pop(i)", "x, y = kept.pop(i)\n            stage.zero_grad()")],
+            "last micro-batch's gradient alone"),
+        "the loss divided by p instead of m": Wrong("point", [RIGHT, pipe_loop(
+            "(y * targets[i]).sum() / m", "(y * targets[i]).sum() / group.size")],
+            "divided by the number of stages p"),
+        "the loss not divided at all": Wrong("point", [RIGHT, pipe_loop(
+            "(y * targets[i]).sum() / m", "(y * targets[i]).sum()")], "about 3 times"),
+        "every stage receives first, the first from the last: a ring": Wrong("deadlock", [
+            RIGHT, pipe_loop("x = inputs[i] if first else group.recv(rank - 1, i).requires_grad_()",
+                             "x = group.recv((rank - 1) % group.size, i).requires_grad_()")],
+            "a deadlock"),
+        "the loop runs its own GPipe order, not the one given": Wrong("point", [RIGHT, pipe_loop(
+            "for action, i in order:",
+            'for action, i in [("F", k) for k in range(m)] + [("B", k) for k in range(m)]:')],
+            "must follow the order it is given"),
+        "the received activation not marked requires_grad_": Wrong("point", [RIGHT, pipe_loop(
+            "group.recv(rank - 1, i).requires_grad_()", "group.recv(rank - 1, i)")],
+            "requires_grad_()"),
+        "the last stage is rank 1 (right only at p = 2)": Wrong("size", [RIGHT, pipe_loop(
+            "first, last = rank == 0, rank == group.size - 1",
+            "first, last = rank == 0, rank == 1")],
+            "at 3 ranks"),
+        "GPipe's order, saved with PASS": Wrong("saved", [PIPE_GPIPE, RIGHT], "GPipe's order",
+                                                saved("PASS")),
+        "at_sizes rebound in the learner's cell": Wrong(
+            "tampered", [RIGHT, RIGHT], "rebinds `at_sizes`",
+            learner_adds("def at_sizes(check, sizes=None):\n    return None")),
     },
 }
 

@@ -10,8 +10,9 @@ times the scaling command beside the source's own script
 algorithms in turn (:mod:`pcourse.tools.bench.mpich`); ``sharding`` sets ZeRO and FSDP beside
 torch's own (:mod:`pcourse.tools.bench.sharding`); ``tp`` tensor parallelism beside torch's
 DTensor (:mod:`pcourse.tools.bench.tp`); ``pp`` the pipeline's bubble and memory beside
-the prediction, and beside torch's pipelining (:mod:`pcourse.tools.bench.pp`). Nothing heavy is imported here: the benchmark's
-launcher starts its ranks before anything loads torch.
+the prediction, and beside torch's pipelining (:mod:`pcourse.tools.bench.pp`). Nothing
+heavy is imported here: the benchmark's launcher starts its ranks before anything loads
+torch.
 """
 
 import sys
