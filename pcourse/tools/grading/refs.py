@@ -933,6 +933,9 @@ def pipe_data(m: int, p: int, rank: int) -> tuple[Any, Any]:
             _micro(weights, m) if rank == p - 1 else NotHere("targets", p - 1, rank))
 
 
+PIPE_TAG_BASE = 3000  # above the small tags other exercises' messages carry
+
+
 class PipeGroup:
     """The point-to-point messages between stages, as the exercise's ``group`` gives them.
 
@@ -1021,11 +1024,14 @@ def pipe_stage_trial(run_stage: Callable, one_f_one_b: Callable | None,
     reference 1F1B order, or, given ``one_f_one_b``, with the learner's own."""
     from pcourse.tools.grading.trials import OP_TIMEOUT
 
-    comm = world()  # a fresh one for every run; each m its own tags on it
+    # A communicator of its own, never freed: a run that fails leaves sends unreceived, and a
+    # freed communicator's context is reused, so they would meet a later learner's receives
+    # (seen grading a class: another learner's wrong loop's tensors). Each m its own tags.
+    comm = world().Dup()
     p, rank = comm.size, comm.rank
     out = []
     for k, m in enumerate(ms):
-        group = PipeGroup(comm, OP_TIMEOUT, m, base=k * max(ms))
+        group = PipeGroup(comm, OP_TIMEOUT, m, base=PIPE_TAG_BASE + k * max(ms))
         stage = pipe_stage(p, rank)
         order = (one_f_one_b_reference(p, rank, m) if one_f_one_b is None
                  else _plain_order(one_f_one_b(p, rank, m)))
@@ -1058,7 +1064,7 @@ def pipe_deadlock_trial(run_stage: Callable) -> dict:
     p, rank, m = comm.size, comm.rank, 2
     # A communicator of its own, never freed: the deadlock leaves a message unreceived,
     # which must not meet a later communicator that reuses the world's context.
-    group = PipeGroup(comm.Dup(), PIPE_DEADLOCK_TIMEOUT, m)
+    group = PipeGroup(comm.Dup(), PIPE_DEADLOCK_TIMEOUT, m, base=PIPE_TAG_BASE)
     try:
         run_stage(pipe_stage(p, rank), pipe_deadlock_orders(p, rank), group,
                   *pipe_data(m, p, rank), m)
