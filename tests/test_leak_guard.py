@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -9,13 +10,16 @@ import time
 import pytest
 from conftest import cluster_processes
 
+from pcourse.tools.cluster.launch import flavour_env, mpi_flavour
+
 
 @pytest.mark.mpi
 def test_guard_sees_an_orphaned_mpiexec_started_by_this_session():
     # A shell that starts mpiexec in the background and exits at once: the classic
     # orphan, re-parented to init, still carrying this session's marker.
     subprocess.run(["sh", "-c", f"mpiexec -n 1 {sys.executable} -c 'import time; "
-                    f"time.sleep(60)' >/dev/null 2>&1 &"], check=True)
+                    f"time.sleep(60)' >/dev/null 2>&1 &"], check=True,
+                   env={**os.environ, **flavour_env(mpi_flavour())})  # Open MPI: root allowed
     deadline = time.monotonic() + 20
     found = {}
     while not found and time.monotonic() < deadline:
