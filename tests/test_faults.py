@@ -279,8 +279,12 @@ from pcourse.backends import make_backend
 
 backend = make_backend({name!r})
 t = torch.ones(1000)
+laps = 0
 while True:
     {call}
+    laps += 1
+    if laps == 3:  # the test interrupts only once every rank is well inside the loop
+        open({mark!r} + str(rank), "w").close()
     if rank == 0:
         time.sleep(0.001)  # rank 0 lags: an interrupt finds rank 1 waiting in the collective
 """
@@ -296,10 +300,16 @@ CALLS = {"allreduce": "backend.allreduce(t, check=False)",
     ("mpi-pickle-deadline", "allreduce"), ("mpi-pickle-deadline", "broadcast"),
     ("gloo", "allreduce"),
 ])
-def test_an_interrupt_mid_collective_leaves_the_cluster_usable(mc, name, collective) -> None:
-    running = mc.view.execute(LOOP.format(name=name, call=CALLS[collective]), block=False)
-    time.sleep(1.0)
-    assert not running.done()
+def test_an_interrupt_mid_collective_leaves_the_cluster_usable(mc, name, collective,
+                                                                 tmp_path) -> None:
+    mark = str(tmp_path / "in-loop-")
+    running = mc.view.execute(LOOP.format(name=name, call=CALLS[collective], mark=mark),
+                              block=False)
+    # Interrupt only once both ranks are well inside the loop: a loaded machine may take
+    # seconds to make the backend, and an interrupt before that tests nothing.
+    assert _wait_until(lambda: all(Path(mark + str(r)).exists() for r in range(2)), 120), \
+        "the loop never got going on both ranks"
+    assert not running.done(), running.get() if running.done() else ""
     mc.client.send_signal("SIGINT", block=True)  # what %%px does on the stop button
     assert running.wait(10), f"a rank is still blocked in the {collective}"
     with pytest.raises(ipp.error.CompositeError, match="KeyboardInterrupt"):
@@ -336,12 +346,15 @@ def test_interrupting_a_blocking_call_stops_the_engines_too(mc) -> None:
 
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_an_interrupt_that_cannot_stop_a_rank_says_restart_and_restart_works(mc) -> None:
+def test_an_interrupt_that_cannot_stop_a_rank_says_restart_and_restart_works(mc, tmp_path) -> None:
     # A raw MPI call that never completes: Python cannot interrupt it.
+    mark = tmp_path / "blocking"
     mc.view.execute("from mpi4py import MPI\nimport time\n"
+                    f"open({str(mark)!r} + str(rank), 'w').close()\n"
                     "if rank == 1:\n    MPI.COMM_WORLD.Barrier()  # alone: blocks in C\n"
                     "else:\n    time.sleep(600)\n", block=False)
-    time.sleep(1.0)
+    # Both ranks have reached their blocking call (rank 1's Barrier follows its mark at once).
+    assert _wait_until(lambda: all(Path(f"{mark}{r}").exists() for r in range(2)), 120)
     mc.client.send_signal("SIGINT", block=True)
     assert _wait_until(mc.problem, 30), "the blocked rank was never dealt with"
     assert re.fullmatch(r"The cluster's engines stopped \(rank 1 did not stop within [\d.]+ s "
@@ -468,11 +481,13 @@ def test_kill_marked_ends_exactly_the_marked_processes_that_are_not_spared() -> 
     from pcourse.tools.cluster.reaping import kill_marked, marked
 
     value = uuid.uuid4().hex
-    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('ignoring', flush=True); time.sleep(60)")
 
     def start(variable: str, val: str, code: str = "import time; time.sleep(60)"):
         env = {**os.environ, variable: val}
-        return subprocess.Popen([sys.executable, "-c", code], env=env)
+        return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                text=True)
 
     doomed = [start("PCOURSE_TEST_OWNER", value), start("PCOURSE_TEST_OWNER", value, stubborn)]
     spared = start("PCOURSE_TEST_OWNER", value)
@@ -481,7 +496,7 @@ def test_kill_marked_ends_exactly_the_marked_processes_that_are_not_spared() -> 
         deadline = time.monotonic() + 30
         while len(marked(value, "PCOURSE_TEST_OWNER")) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.5)  # the stubborn one has set its handler
+        assert doomed[1].stdout.readline() == "ignoring\n"  # its handler is set
         kill_marked(value, grace=0.5, variable="PCOURSE_TEST_OWNER", spare=[spared.pid])
         # psutil reaped them (so Popen sees no exit status): they are gone, SIGTERM or not
         assert not any(psutil.pid_exists(p.pid) for p in doomed)
