@@ -32,7 +32,8 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 
     params = list(model.parameters())
     if isinstance(model, FullyShardedDataParallel):  # gathered ones alive now, if any
-        params += [t for u in model.units for t in (u.full, *u.again.values())
+        params += [t for u in model.units
+                   for t in (u.full, *u.again.values(), *(f for _, f in u.coming.values()))
                    if t is not None]
     opt = optimizer.local if isinstance(optimizer, ShardedOptimizer) else optimizer
     grads_of = params + [p for g in opt.param_groups for p in g["params"]]

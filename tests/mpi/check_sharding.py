@@ -85,20 +85,30 @@ def compare(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
     assert "block1.0.bias" not in moved and len(moved) == len(want) - 1, (what, moved)
 
 
-def zero(stage: int, opt_name: str, backend) -> dict[str, torch.Tensor]:
+# Bucket caps (bytes): one bucket for the whole model, and a few buckets cut through it
+CAPS = (25 << 20, 800)
+
+
+def zero(stage: int, opt_name: str, backend, overlap: bool = False,
+         cap: int = CAPS[0]) -> dict[str, torch.Tensor]:
     model = Tiny()
     cls, kw = OPTIMIZERS[opt_name]
-    opt = ShardedOptimizer(model.parameters(), cls, backend=backend, stage=stage, **kw)
+    opt = ShardedOptimizer(model.parameters(), cls, backend=backend, stage=stage,
+                           overlap=overlap, module=model, bucket_cap_bytes=cap, **kw)
+    assert cap == CAPS[0] or len(opt.buckets) > 2, len(opt.buckets)
     for x, y in batches():
         opt.zero_grad()
         nn.functional.cross_entropy(model(mine(x)), mine(y)).backward()
         opt.step()
+    opt.synchronize()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def fsdp(opt_name: str, backend, compute_dtype=None) -> dict[str, torch.Tensor]:
+def fsdp(opt_name: str, backend, compute_dtype=None, prefetch: int = 0,
+         overlap: bool = False) -> dict[str, torch.Tensor]:
     model = FullyShardedDataParallel(Tiny(), backend, shard=nn.Linear,
-                                     compute_dtype=compute_dtype)
+                                     compute_dtype=compute_dtype, prefetch=prefetch,
+                                     overlap=overlap)
     cls, kw = OPTIMIZERS[opt_name]
     opt = cls(model.parameters(), **kw)
     for x, y in batches():
@@ -142,8 +152,13 @@ def main() -> None:
         for opt_name in OPTIMIZERS:
             want = reference(opt_name)
             for stage in (1, 2):
-                compare(f"ZeRO-{stage} {opt_name}", zero(stage, opt_name, backend), want)
-            compare(f"FSDP {opt_name}", fsdp(opt_name, backend), want)
+                for overlap in (False, True):
+                    for cap in CAPS:
+                        compare(f"ZeRO-{stage} {opt_name} overlap={overlap} cap={cap}",
+                                zero(stage, opt_name, backend, overlap, cap), want)
+            for prefetch, overlap in ((0, False), (1, True), (2, True), (1, False)):
+                compare(f"FSDP {opt_name} prefetch={prefetch} overlap={overlap}",
+                        fsdp(opt_name, backend, prefetch=prefetch, overlap=overlap), want)
         wire(backend)
         torch.set_default_dtype(torch.float32)
         lo = fsdp("sgd", backend, compute_dtype=torch.bfloat16)
