@@ -214,7 +214,7 @@ def test_the_peak_theory_adds_the_transients() -> None:
     assert peak_theory_bytes("ddp", psi, p) == 20 * psi  # the optimizer's temporary
     assert peak_theory_bytes("zero1", psi, p) == 8 * psi + 12 * psi / p
     assert peak_theory_bytes("zero2", psi, p) == 8 * psi + 12 * psi / p
-    assert peak_theory_bytes("zero2", psi, p, overlap=True, bucket=100) == \
+    assert peak_theory_bytes("zero2", psi, p, overlap=True, buckets=[100] * 9) == \
         4 * psi + 12 * psi / p + 4 * (1 + IN_FLIGHT) * 100
     assert peak_theory_bytes("fsdp", psi, p, units=[500, 300, 400]) == 16 * psi / p + 8 * 500
     assert peak_theory_bytes("fsdp", psi, p, units=[500, 300, 400], prefetch=1) == \

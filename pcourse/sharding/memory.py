@@ -73,36 +73,34 @@ def theory_bytes(strategy: str, psi: int, p: int, *, bytes_per: int = 4,
 
 
 def peak_theory_bytes(strategy: str, psi: int, p: int, *, bytes_per: int = 4,
-                      units: Sequence[int] = (), bucket: int = 0, overlap: bool = False,
-                      prefetch: int = 0) -> float:
+                      units: Sequence[int] = (), buckets: Sequence[int] = (),
+                      overlap: bool = False, prefetch: int = 0) -> float:
     """The per-rank training state at its peak during a step (fp32 Adam), as the course's
-    code holds it; ``units``: FSDP's units' parameter counts, ``bucket``: the largest
-    ZeRO bucket's.
+    code holds it; ``units``, ``buckets``: FSDP's units' and ZeRO's buckets' parameter
+    counts (padding included).
 
     The peak comes in one of two moments. While the gradients are reduced: ddp 16Ψ
     (lesson 07's buckets hold the gradients for good); zero1 8Ψ + 12Ψ/p (the gradient
     buffer stays, and my slice's average arrives beside it before it is copied in);
     zero2 4Ψ + 12Ψ/p plus the gradients not yet reduced: all of them (4Ψ) when the
-    reduce-scatters wait for the step, a bucket being filled and ``IN_FLIGHT`` in
-    flight with ``overlap``; fsdp 16Ψ/p plus, in a unit's backward, the unit gathered
-    and its whole gradient (8 bytes per unit parameter), ``prefetch`` units gathered
-    ahead and, with ``overlap``, ``IN_FLIGHT`` gradients being reduced (at most: the
-    largest units counted). And while the
-    optimizer steps: the state at rest with the gradients, plus one temporary the size
-    of what it steps (torch's foreach AdamW), Ψ or Ψ/p.
+    reduce-scatters wait for the step, with ``overlap`` a bucket being filled and
+    ``IN_FLIGHT`` in flight (at most: the largest buckets counted); fsdp 16Ψ/p plus,
+    in a unit's backward, the unit gathered and its whole gradient (8 bytes per
+    parameter of the unit), ``prefetch`` units gathered ahead and, with ``overlap``,
+    ``IN_FLIGHT`` gradients being reduced (at most: the largest units counted). And
+    while the optimizer steps: the state at rest with the gradients, plus one
+    temporary the size of what it steps (torch's foreach AdamW), 4Ψ or 4Ψ/p.
     """
-    b = bytes_per
-    rest = {"ddp": 16 * psi, "zero1": 8 * psi + 12 * psi / p, "zero2": 4 * psi + 16 * psi / p,
-            "fsdp": 20 * psi / p}  # at the optimizer's step, with its temporary
-    if strategy not in rest:
-        raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(rest)}")
+    stepping = {"ddp": 20 * psi, "zero1": 8 * psi + 12 * psi / p,
+                "zero2": 4 * psi + 16 * psi / p, "fsdp": 20 * psi / p}
+    if strategy not in stepping:
+        raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(stepping)}")
+    waiting = _largest(buckets, 1 + IN_FLIGHT) if overlap else psi  # zero2's gradients
+    gathered = _largest(units, 1 + prefetch + IN_FLIGHT * overlap) + max(units, default=0)
     reducing = {"ddp": 16 * psi, "zero1": 8 * psi + 12 * psi / p,
-                "zero2": 4 * psi + 12 * psi / p + (4 * (1 + IN_FLIGHT) * bucket if overlap
-                                                   else 4 * psi),
-                "fsdp": 16 * psi / p + 4 * _largest(units, 1 + prefetch + IN_FLIGHT * overlap)
-                + 4 * max(units, default=0)}
-    return float(max(rest[strategy] + (4 * psi if strategy == "ddp" else 0),
-                     reducing[strategy]) * b / 4)
+                "zero2": 4 * psi + 12 * psi / p + 4 * waiting,
+                "fsdp": 16 * psi / p + 4 * gathered}
+    return float(max(stepping[strategy], reducing[strategy]) * bytes_per / 4)
 
 
 def _largest(sizes: Sequence[int], k: int) -> int:
