@@ -123,13 +123,13 @@ class _Unit:
             offset += n
         ptr = full.untyped_storage().data_ptr()
 
-        saved = self.schedule.saved
+        saved, ahead = self.schedule.saved, self.schedule.prefetch
 
         def pack(t: torch.Tensor) -> Any:
             if t.untyped_storage().data_ptr() != ptr:
                 return t
-            if not saved or saved[-1] != (self, call):
-                saved.append((self, call))  # its backward will gather it again
+            if ahead and (not saved or saved[-1] != (self, call)):
+                saved.append((self, call))  # its backward will gather it again: prefetch it
             return (call, t.storage_offset(), t.size(), t.stride())
 
         def unpack(packed: Any) -> torch.Tensor:
@@ -315,8 +315,9 @@ class FullyShardedDataParallel(nn.Module):
             return self.module(*args, **kwargs)
         finally:
             s.last = s.order
-            for unit in self.units:  # prefetched for a unit this forward did not reach
-                unit.coming.pop(None, (Work(), None))[0].wait()
+            for unit in self.units:  # gathered ahead for a unit this forward did not reach
+                if None in unit.coming:
+                    unit.coming.pop(None)[0].wait()
 
     @torch.no_grad()
     def finish(self) -> None:

@@ -122,15 +122,16 @@ def fsdp(opt_name: str, backend, compute_dtype=None, prefetch: int = 0,
 def wire(backend) -> None:
     """Bytes each rank hands to the backend in one step, beside the theory."""
     psi = sum(p.numel() for p in Tiny().parameters() if p.requires_grad)
-    for kind, factor in (("zero1", 2), ("zero2", 2), ("fsdp", 3)):
-        counter = CountingBackend(backend)
+    for kind, factor, ahead in (("zero1", 2, False), ("zero2", 2, False), ("fsdp", 3, False),
+                                ("zero2", 2, True), ("fsdp", 3, True)):
+        counter = CountingBackend(backend)  # overlap and prefetch move the same bytes
         model = Tiny()
-        if kind == "fsdp":
-            model = FullyShardedDataParallel(model, counter)  # one unit: all of it
+        if kind == "fsdp":  # one unit: all of it
+            model = FullyShardedDataParallel(model, counter, prefetch=int(ahead), overlap=ahead)
             opt = torch.optim.AdamW(model.parameters())
         else:
             opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, backend=counter,
-                                   stage=int(kind[-1]))
+                                   stage=int(kind[-1]), overlap=ahead, module=model)
         x, y = batches()[0]
         for _ in range(2):  # the second step: no agreement checks
             counter.reset()
