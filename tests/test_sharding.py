@@ -237,6 +237,28 @@ def test_exposure_is_read_from_the_trace() -> None:
     assert abs(got["hidden"] - 0.75) < 1e-12
 
 
+def test_a_traced_step_sees_every_collective(one_rank) -> None:
+    """The tracing backend records each bucket's reduce-scatter and all-gather once a step;
+    what it reads back is ordered: exposed ≤ in flight ≤ the step."""
+    from pcourse.tools.bench.overlap import TracedBackend, chrome_trace, exposure, last_step
+
+    traced, m, x = TracedBackend(one_rank()), model(), torch.randn(4, 3)
+    opt = ShardedOptimizer(m.parameters(), torch.optim.SGD, traced, lr=0.1, overlap=True,
+                           module=m, bucket_cap_bytes=40)
+    for _ in range(3):
+        with traced.phase("step"):
+            opt.zero_grad()
+            m(x).sum().backward()
+            opt.step()
+    step = last_step(traced)
+    calls = [step["kinds"][k] for what, k, _, _ in step["events"] if what == "call"]
+    assert sorted(calls) == sorted(["reduce_scatter", "all_gather"] * len(opt.buckets))
+    rec = {"rank": 0, "strategy": "zero1-overlap", "workload": "toy", "backend": "one-rank",
+           **step}
+    (got,) = exposure(chrome_trace([rec]))
+    assert 0 <= got["exposed_ms"] <= got["in_flight_ms"] + 1e-9 <= got["step_ms"] + 2e-9
+
+
 def test_the_benchmark_says_whether_each_target_is_met() -> None:
     from pcourse.tools.bench.sharding import targets
 

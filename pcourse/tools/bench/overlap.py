@@ -53,7 +53,8 @@ class TracedBackend(Backend):
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
         self.name, self.rank, self.size = inner.name, inner.rank, inner.size
-        self.device, self.any_device, self.timeout = inner.device, inner.any_device, inner.timeout
+        self.device, self.any_device = inner.device, inner.any_device
+        self.timeout = getattr(inner, "timeout", None)
         self.needs_gpu, self.native_avg = inner.needs_gpu, inner.native_avg
         self.reset()
 
