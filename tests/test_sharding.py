@@ -15,10 +15,13 @@ from pcourse.collectives import chunk_bounds, half_cost_terms
 from pcourse.sharding import (
     FullyShardedDataParallel,
     ShardedOptimizer,
+    peak_bytes,
+    peak_theory_bytes,
     shard_range,
     state_bytes,
     theory_bytes,
 )
+from pcourse.sharding.zero import IN_FLIGHT
 from pcourse.tools.cluster.launch import kill_group
 
 SLOW_P = [3, *(pytest.param(p, marks=pytest.mark.slow) for p in (2, 4))]
@@ -118,6 +121,142 @@ def test_bad_arguments_say_what_to_do(one_rank) -> None:
     backend = one_rank()
     with pytest.raises(ValueError, match="pad it"):
         backend.reduce_scatter(torch.empty(2), torch.empty(3))
+
+
+def test_overlapped_variants_are_the_optimizer_on_one_rank(one_rank) -> None:
+    """Buckets cut through the model, reduced from backward's hooks, gathered lazily:
+    on one rank still plain AdamW, bit for bit; FSDP with prefetch still the model."""
+    x = torch.randn(8, 3)
+    for stage in (1, 2):
+        a, b = model(), model()
+        plain = torch.optim.AdamW(a.parameters(), lr=0.1)
+        ours = ShardedOptimizer(b.parameters(), torch.optim.AdamW, backend=one_rank(),
+                                stage=stage, lr=0.1, overlap=True, module=b, bucket_cap_bytes=40)
+        assert len(ours.buckets) >= 3
+        for _ in range(3):
+            for m, opt in ((a, plain), (b, ours)):
+                opt.zero_grad()
+                m(x).square().mean().backward()
+                opt.step()
+        ours.synchronize()
+        for p, q in zip(a.parameters(), b.parameters(), strict=True):
+            assert torch.equal(p, q)
+    c = FullyShardedDataParallel(model(), one_rank(), shard=nn.Linear, prefetch=2, overlap=True)
+    oc = torch.optim.SGD(c.parameters(), lr=0.1)
+    for _ in range(2):
+        oc.zero_grad()
+        c(x).square().mean().backward()
+        assert all(s.grad is None for s in c.shards)  # the reduce-scatters wait for finish()
+        c.finish()
+        oc.step()
+    assert all(s.grad is not None for s in c.shards)
+    assert [u.module for u in c.schedule.last] == [c.module[0], c.module[2]]
+    assert all(not u.coming and not u.again for u in c.units)
+    with pytest.raises(ValueError, match="prefetch is how many units"):
+        FullyShardedDataParallel(model(), one_rank(), prefetch=-1)
+
+
+def test_a_gradient_arriving_twice_is_refused(one_rank) -> None:
+    m = model()
+    opt = ShardedOptimizer(m.parameters(), torch.optim.SGD, backend=one_rank(), lr=0.1)
+    x = torch.randn(4, 3)
+    m(x).sum().backward()
+    assert opt.buckets  # its hooks saw the first backward
+    with pytest.raises(RuntimeError, match="one backward per step"):
+        m(x).sum().backward()
+
+
+def test_peak_bytes_sees_what_a_step_frees_again() -> None:
+    """Closed form: 4000 bytes held, freed, then 2000: the peak is 4000 above the start."""
+    def step() -> None:
+        a = torch.ones(1000)
+        del a
+        b = torch.ones(500)
+        del b
+
+    assert peak_bytes(step) == 4000
+    assert peak_bytes(lambda: None) == 0
+
+
+def test_zero2_with_overlap_never_holds_every_gradient(one_rank) -> None:
+    """ZeRO-2 with overlap keeps at most IN_FLIGHT + 1 buckets of gradients; without it,
+    all of them until the step: the measured peaks differ by about the rest."""
+    def deep() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*(nn.Linear(64, 64) for _ in range(12)))
+
+    class Forgetful(one_rank):  # the fake backend without its record of every call
+        def allreduce(self, tensor: torch.Tensor, op: str = "sum", *,
+                      check: bool = True) -> torch.Tensor:
+            return tensor
+
+    x = torch.randn(2, 64)
+    peaks = {}
+    for overlap in (False, True):
+        m = deep()
+        layer = 64 * 64 + 64
+        opt = ShardedOptimizer(m.parameters(), torch.optim.SGD, backend=Forgetful(), stage=2,
+                               lr=0.1, overlap=overlap, bucket_cap_bytes=4 * layer)
+
+        def step(m: nn.Module = m, opt: ShardedOptimizer = opt) -> None:
+            m(x).square().mean().backward()
+            opt.step()
+
+        for _ in range(2):
+            opt.zero_grad()
+            peaks[overlap] = peak_bytes(step)
+    psi = 12 * layer
+    assert peaks[False] - peaks[True] >= 4 * (psi - (IN_FLIGHT + 2) * layer), peaks
+
+
+def test_the_peak_theory_adds_the_transients() -> None:
+    psi, p = 1200, 4
+    assert peak_theory_bytes("ddp", psi, p) == 20 * psi  # the optimizer's temporary
+    assert peak_theory_bytes("zero1", psi, p) == 8 * psi + 12 * psi / p
+    assert peak_theory_bytes("zero2", psi, p) == 8 * psi + 12 * psi / p
+    assert peak_theory_bytes("zero2", psi, p, overlap=True, buckets=[100] * 9) == \
+        4 * psi + 12 * psi / p + 4 * (1 + IN_FLIGHT) * 100
+    assert peak_theory_bytes("fsdp", psi, p, units=[500, 300, 400]) == 16 * psi / p + 8 * 500
+    assert peak_theory_bytes("fsdp", psi, p, units=[500, 300, 400], prefetch=1) == \
+        16 * psi / p + 8 * 500 + 4 * 400
+    for s in ("ddp", "zero1", "zero2", "fsdp"):
+        assert peak_theory_bytes(s, psi, p) >= theory_bytes(s, psi, p)
+
+
+def test_exposure_is_read_from_the_trace() -> None:
+    """Closed form on a made-up step: two collectives in flight over [1, 5] and [3, 9] ms
+    (7 ms together), the rank inside calls and waits for 1 + 2 ms of them."""
+    from pcourse.tools.bench.overlap import chrome_trace, exposure
+
+    rec = {"rank": 0, "strategy": "zero2-overlap", "workload": "franke", "backend": "gloo",
+           "phases": [("step", 0.0, 10.0), ("backward", 0.0, 6.0)],
+           "events": [("call", 0, 1.0, 1.5), ("call", 1, 3.0, 3.5), ("wait", 1, 8.0, 9.0)],
+           "flights": [(0, 1.0, 5.0), (1, 3.0, 9.0)], "kinds": ["reduce_scatter", "all_gather"]}
+    (got,) = exposure(chrome_trace([rec]))
+    assert got["step_ms"] == 10.0 and got["in_flight_ms"] == 8.0 and got["exposed_ms"] == 2.0
+    assert abs(got["hidden"] - 0.75) < 1e-12
+
+
+def test_a_traced_step_sees_every_collective(one_rank) -> None:
+    """The tracing backend records each bucket's reduce-scatter and all-gather once a step;
+    what it reads back is ordered: exposed ≤ in flight ≤ the step."""
+    from pcourse.tools.bench.overlap import TracedBackend, chrome_trace, exposure, last_step
+
+    traced, m, x = TracedBackend(one_rank()), model(), torch.randn(4, 3)
+    opt = ShardedOptimizer(m.parameters(), torch.optim.SGD, traced, lr=0.1, overlap=True,
+                           module=m, bucket_cap_bytes=40)
+    for _ in range(3):
+        with traced.phase("step"):
+            opt.zero_grad()
+            m(x).sum().backward()
+            opt.step()
+    step = last_step(traced)
+    calls = [step["kinds"][k] for what, k, _, _ in step["events"] if what == "call"]
+    assert sorted(calls) == sorted(["reduce_scatter", "all_gather"] * len(opt.buckets))
+    rec = {"rank": 0, "strategy": "zero1-overlap", "workload": "toy", "backend": "one-rank",
+           **step}
+    (got,) = exposure(chrome_trace([rec]))
+    assert 0 <= got["exposed_ms"] <= got["in_flight_ms"] + 1e-9 <= got["step_ms"] + 2e-9
 
 
 def test_the_benchmark_says_whether_each_target_is_met() -> None:

@@ -337,6 +337,24 @@ class Backend(ABC):
         output.detach().copy_(full.view_as(output))
         return output
 
+    def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                             *, check: bool = True) -> Work:
+        """Start a reduce-scatter; ``output`` holds this rank's block after ``wait()``.
+
+        ``input`` must stay as it is until then. Lesson 10 starts one while backward
+        still runs. Backends with non-blocking collectives override this; the
+        default is blocking, which is always correct.
+        """
+        self.reduce_scatter(output, input, op, check=check)
+        return Work()
+
+    def all_gather_async(self, output: torch.Tensor, input: torch.Tensor, *,
+                         check: bool = True) -> Work:
+        """Start an all-gather into ``output``, valid after ``wait()`` (as
+        :meth:`reduce_scatter_async`: the default is blocking)."""
+        self.all_gather(output, input, check=check)
+        return Work()
+
     def _agree_blocks(self, kind: str, output: torch.Tensor, input: torch.Tensor, check: bool,
                       op: str | None) -> None:
         """Local checks of a reduce-scatter / all-gather, then (``check``) the agreement.

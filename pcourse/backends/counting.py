@@ -77,6 +77,18 @@ class CountingBackend(Backend):
         self._count("all_gather", volume * _nbytes(output))
         return self.inner.all_gather(output, input, check=check)
 
+    def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                             *, check: bool = True) -> Work:
+        _, volume = half_cost_terms(self.size)
+        self._count("reduce_scatter", volume * _nbytes(input))
+        return self.inner.reduce_scatter_async(output, input, op, check=check)
+
+    def all_gather_async(self, output: torch.Tensor, input: torch.Tensor, *,
+                         check: bool = True) -> Work:
+        _, volume = half_cost_terms(self.size)
+        self._count("all_gather", volume * _nbytes(output))
+        return self.inner.all_gather_async(output, input, check=check)
+
     def send(self, tensor: torch.Tensor, dst: int) -> Work:
         self._count("send", _nbytes(tensor))  # a message: its bytes, once
         return self.inner.send(tensor, dst)

@@ -168,6 +168,11 @@ class MPIBackend(_MPICommBackend, AsyncBackend):
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
                        check: bool = True) -> torch.Tensor:
         """MPI's ``Ireduce_scatter_block`` on host buffers (staged as allreduce stages)."""
+        self.reduce_scatter_async(output, input, op, check=check).wait()
+        return output
+
+    def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                             *, check: bool = True) -> Work:
         self._agree_blocks("reduce_scatter", output, input, check, op)
         send, _ = self._host_buffer(input, reduce=True)
         recv, staged = self._host_buffer(output, reduce=True)
@@ -177,25 +182,37 @@ class MPIBackend(_MPICommBackend, AsyncBackend):
         if before > 1:
             send = send / before  # a copy: the input stays as it was
         request = self._live().Ireduce_scatter_block(send.numpy(), recv.numpy(), self._op(op))
-        self._wait(request, "reduce_scatter")
-        if after > 1:
-            recv.div_(after)
-        if staged:
-            output.detach().copy_(recv.view_as(output))
-        return output
+
+        def finish() -> None:
+            if after > 1:
+                recv.div_(after)
+            if staged:
+                output.detach().copy_(recv.view_as(output))
+
+        return Pending(lambda: self._wait(request, "reduce_scatter"), finish,
+                       keep=(output, input, send, recv), test=request.Test)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
                    check: bool = True) -> torch.Tensor:
         """MPI's ``Iallgather``: raw bits, so bfloat16 and bool travel unchanged."""
+        self.all_gather_async(output, input, check=check).wait()
+        return output
+
+    def all_gather_async(self, output: torch.Tensor, input: torch.Tensor, *,
+                         check: bool = True) -> Work:
         self._agree_blocks("all_gather", output, input, check, None)
         send, _ = self._host_buffer(input, reduce=False)
         recv, staged = self._host_buffer(output, reduce=False)
         raw = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}.get(send.dtype)
         s, r = (send, recv) if raw is None else (send.view(raw), recv.view(raw))
-        self._wait(self._live().Iallgather(s.numpy(), r.numpy()), "all_gather")
-        if staged:
-            output.detach().copy_(recv.view_as(output))
-        return output
+        request = self._live().Iallgather(s.numpy(), r.numpy())
+
+        def finish() -> None:
+            if staged:
+                output.detach().copy_(recv.view_as(output))
+
+        return Pending(lambda: self._wait(request, "all_gather"), finish,
+                       keep=(output, input, send, recv), test=request.Test)
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:

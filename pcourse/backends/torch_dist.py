@@ -236,6 +236,11 @@ class _TorchBackend(AsyncBackend):
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
                        check: bool = True) -> torch.Tensor:
         """torch.distributed's ``reduce_scatter_tensor``, waited for like allreduce."""
+        self.reduce_scatter_async(output, input, op, check=check).wait()
+        return output
+
+    def reduce_scatter_async(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                             *, check: bool = True) -> Work:
         self._agree_blocks("reduce_scatter", output, input, check, op)
         group = self._live()
         before, after = self.avg_divisors(input.dtype, op)
@@ -245,20 +250,28 @@ class _TorchBackend(AsyncBackend):
             or self._dist.reduce_scatter_tensor
         handle = reduce_scatter(output.detach(), send, op=self._reduce_op(op), group=group,
                                 async_op=True)
-        self._wait(handle, "reduce_scatter")
-        if after > 1:
-            output.detach().div_(after)
-        return output
+
+        def finish() -> None:
+            if after > 1:
+                output.detach().div_(after)
+
+        return Pending(lambda: self._wait(handle, "reduce_scatter"), finish,
+                       keep=(output, input, send), test=handle.is_completed)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
                    check: bool = True) -> torch.Tensor:
         """torch.distributed's ``all_gather_into_tensor``, waited for like allreduce."""
+        self.all_gather_async(output, input, check=check).wait()
+        return output
+
+    def all_gather_async(self, output: torch.Tensor, input: torch.Tensor, *,
+                         check: bool = True) -> Work:
         self._agree_blocks("all_gather", output, input, check, None)
         all_gather = getattr(self._dist, "all_gather_single", None) \
             or self._dist.all_gather_into_tensor  # the name before torch 2.13
         handle = all_gather(output.detach(), input.detach(), group=self._live(), async_op=True)
-        self._wait(handle, "all_gather")
-        return output
+        return Pending(lambda: self._wait(handle, "all_gather"), keep=(output, input),
+                       test=handle.is_completed)
 
 
 def _copy_back(tensor: torch.Tensor, buf: torch.Tensor) -> None:

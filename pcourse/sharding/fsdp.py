@@ -3,26 +3,61 @@
 Each unit (a submodule the caller names) keeps one flat slice of its parameters per
 rank. It is all-gathered just before its forward, freed after it, gathered again
 before its backward, and its gradient is reduce-scattered: the gradient of an
-all-gather is a reduce-scatter (:class:`_Gather`). Torch's FSDP2 splits the same
-roles over a parameter group (here :class:`_Unit`), its collectives (:class:`_Gather`)
-and the module wrapper (:class:`FullyShardedDataParallel`).
+all-gather is a reduce-scatter (:class:`_Gather`). With ``prefetch`` the next units'
+all-gathers start while this one computes, in the forward and in the backward; with
+``overlap`` a unit's reduce-scatter is waited for only later (:class:`_Schedule`).
+Torch's FSDP2 splits the same roles over a parameter group (here :class:`_Unit`), its
+collectives (:class:`_Gather`) and the module wrapper (:class:`FullyShardedDataParallel`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from pcourse.backends.base import Backend
+from pcourse.backends.base import Backend, Work
 from pcourse.backends.groups import as_backend
-from pcourse.sharding.zero import _flat, shard_range
+from pcourse.sharding.zero import IN_FLIGHT, _flat, shard_range
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = ["FullyShardedDataParallel"]
+
+
+@dataclass
+class _Schedule:
+    """What the units of one model share: how far ahead to gather, and the step so far.
+
+    ``order``: the units in the order this forward reached them (``last``: the
+    previous forward's, the order to prefetch by); ``saved``: (unit, forward call)
+    whose gathered parameters autograd saved, in forward order (a backward needs them
+    again, in reverse); ``reducing``: reduce-scatters in flight (slice, its gradient,
+    the handle).
+    """
+
+    prefetch: int = 0
+    overlap: bool = False
+    order: list[_Unit] = field(default_factory=list)
+    last: list[_Unit] = field(default_factory=list)
+    saved: list[tuple[_Unit, int]] = field(default_factory=list)
+    reducing: list[tuple[nn.Parameter, torch.Tensor, Work]] = field(default_factory=list)
+
+    def progress(self) -> None:
+        """Test what is in flight: MPI moves a nonblocking collective only inside MPI calls."""
+        for _, _, work in self.reducing:
+            work.test()
+
+    def reduced(self, keep: int = 0) -> None:
+        """Wait for the oldest reduce-scatters until ``keep`` are left; each adds its slice's
+        averaged gradient to the slice's ``.grad``."""
+        while len(self.reducing) > keep:
+            shard, mine, work = self.reducing.pop(0)
+            work.wait()
+            shard.grad = mine if shard.grad is None else shard.grad + mine
 
 
 class _Unit:
@@ -37,8 +72,10 @@ class _Unit:
     """
 
     def __init__(self, module: nn.Module, params: list[tuple[nn.Parameter, list]],
-                 backend: Backend, compute_dtype: torch.dtype | None) -> None:
+                 backend: Backend, compute_dtype: torch.dtype | None,
+                 schedule: _Schedule) -> None:
         self.module, self.backend, self.compute_dtype = module, backend, compute_dtype
+        self.schedule = schedule
         self.places = [(owners, p.shape, p.numel()) for p, owners in params]
         numel = sum(p.numel() for p, _ in params)
         lo, hi, self.padded = shard_range(numel, backend.rank, backend.size)
@@ -47,6 +84,8 @@ class _Unit:
         self.calls = 0  # forwards so far: each one's gathered copy has its own number
         self.full: torch.Tensor | None = None  # the gathered parameters, during a forward
         self.again: dict[int, torch.Tensor] = {}  # gathered again, during a backward
+        # gathers started ahead: None for the next forward, a call's number for its backward
+        self.coming: dict[int | None, tuple[Work, torch.Tensor]] = {}
         self.hooks: Any = None
         for owners, _, _ in self.places:  # the module no longer holds the full tensors
             for mod, name in owners:
@@ -57,10 +96,19 @@ class _Unit:
     def gathered_dtype(self) -> torch.dtype:
         return self.compute_dtype or self.shard.dtype
 
-    def all_gather(self) -> torch.Tensor:
-        dtype = self.gathered_dtype
-        full = self.shard.new_empty(self.padded, dtype=dtype)
-        self.backend.all_gather(full, self.shard.detach().to(dtype), check=False)
+    def start_gather(self, key: int | None) -> None:
+        """Start the all-gather that ``all_gather(key)`` will want (prefetch)."""
+        if key not in self.coming and (key is None or key not in self.again):
+            full = self.shard.new_empty(self.padded, dtype=self.gathered_dtype)
+            work = self.backend.all_gather_async(full, self.shard.detach().to(full.dtype),
+                                                 check=False)
+            self.coming[key] = (work, full)
+
+    def all_gather(self, key: int | None = None) -> torch.Tensor:
+        """The gathered parameters: the prefetched ones for ``key``, or gathered now."""
+        self.start_gather(key)
+        work, full = self.coming.pop(key)
+        work.wait()
         return full
 
     def gather(self) -> None:
@@ -75,9 +123,13 @@ class _Unit:
             offset += n
         ptr = full.untyped_storage().data_ptr()
 
+        saved, ahead = self.schedule.saved, self.schedule.prefetch
+
         def pack(t: torch.Tensor) -> Any:
             if t.untyped_storage().data_ptr() != ptr:
                 return t
+            if ahead and (not saved or saved[-1] != (self, call)):
+                saved.append((self, call))  # its backward will gather it again: prefetch it
             return (call, t.storage_offset(), t.size(), t.stride())
 
         def unpack(packed: Any) -> torch.Tensor:
@@ -85,12 +137,31 @@ class _Unit:
                 return packed
             key, offset, size, stride = packed
             if key not in self.again:  # the first use in this backward: gather again
-                self.again[key] = self.all_gather()
+                self.again[key] = self.all_gather(key)
+                self.schedule.progress()
+                self._prefetch_backward(key)
             return self.again[key].as_strided(size, stride, offset)
 
         self.full = full
         self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self.hooks.__enter__()
+
+    def _prefetch_backward(self, call: int) -> None:
+        """Start gathering the units whose backward comes next (the forward's, reversed)."""
+        saved, depth = self.schedule.saved, self.schedule.prefetch
+        if depth and (self, call) in saved:
+            j = saved.index((self, call))
+            for unit, c in reversed(saved[max(0, j - depth):j]):
+                unit.start_gather(c)
+
+    def prefetch_forward(self) -> None:
+        """Start gathering the units the last forward reached after this one."""
+        s = self.schedule
+        s.order.append(self)
+        i = len(s.order) - 1
+        if s.prefetch and i < len(s.last) and s.last[i] is self:
+            for unit in s.last[i + 1:i + 1 + s.prefetch]:
+                unit.start_gather(None)
 
     def release(self) -> None:
         """After the forward: drop every reference to the gathered parameters."""
@@ -111,13 +182,18 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        unit = ctx.unit
+        unit, schedule = ctx.unit, ctx.unit.schedule
         unit.again.pop(ctx.call, None)  # the unit's backward is done: free them again
         mine = torch.empty_like(unit.shard)
         # gradients reduced in the shard's dtype (fp32 under mixed precision)
-        unit.backend.reduce_scatter(mine, grad.to(unit.shard.dtype).contiguous(), "avg",
-                                    check=False)
-        return mine, None, None
+        work = unit.backend.reduce_scatter_async(mine, grad.to(unit.shard.dtype).contiguous(),
+                                                 "avg", check=False)
+        if not schedule.overlap:
+            work.wait()
+            return mine, None, None
+        schedule.reducing.append((unit.shard, mine, work))  # finish() waits for the last
+        schedule.reduced(keep=IN_FLIGHT)  # each holds a unit's whole gradient: a few at most
+        return None, None, None
 
 
 def _unit_roots(module: nn.Module, shard: Any) -> list[nn.Module]:
@@ -164,7 +240,12 @@ class FullyShardedDataParallel(nn.Module):
     unit that also holds whole parameters computes in their dtype);
     after the forward they are freed, before its backward gathered again, and their
     gradient is reduce-scattered (averaged) into the slice's ``.grad`` during
-    backward. Parameters outside every unit, frozen ones, and ones shared between a
+    backward. ``prefetch=k``: the all-gathers of the next k units (in the order the
+    previous forward reached them; in the backward, that order reversed) start
+    while a unit computes, holding up to k more units gathered. ``overlap=True``: a
+    reduce-scatter is waited for once ``IN_FLIGHT`` newer ones are started, or in
+    ``finish()``, so the slices' ``.grad`` are complete only after ``finish()``.
+    Parameters outside every unit, frozen ones, and ones shared between a
     unit and anything outside it (tied weights) stay whole on every rank.
 
     Train as usual: ``opt = torch.optim.AdamW(fsdp.parameters())`` (the slices and
@@ -174,13 +255,18 @@ class FullyShardedDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, backend: Backend | ProcessGroup | None = None, *,
-                 shard: Any = None, compute_dtype: torch.dtype | None = None) -> None:
+                 shard: Any = None, compute_dtype: torch.dtype | None = None,
+                 prefetch: int = 0, overlap: bool = False) -> None:
         super().__init__()
         if compute_dtype is not None and not compute_dtype.is_floating_point:
             raise ValueError(f"compute_dtype must be a floating dtype (torch.bfloat16, "
                              f"torch.float16), got {compute_dtype}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch is how many units to gather ahead, 0 or more, "
+                             f"got {prefetch!r}")
         self.backend = as_backend(backend)
         self.compute_dtype = compute_dtype
+        self.schedule = _Schedule(prefetch, overlap)
         self.names = {id(p): n for n, p in module.named_parameters()}  # tied: first name
         everywhere = _owners(module)
         self.units: list[_Unit] = []
@@ -193,7 +279,7 @@ class FullyShardedDataParallel(nn.Module):
                 if len(kinds) > 1:
                     raise ValueError(f"unit {type(root).__name__} mixes dtypes or devices "
                                      f"({sorted(map(str, kinds))}); make them one")
-                unit = _Unit(root, mine, self.backend, compute_dtype)
+                unit = _Unit(root, mine, self.backend, compute_dtype, self.schedule)
                 if any(True for _ in root.parameters()):  # whole ones left: tied, frozen
                     unit.compute_dtype = None  # compute in their dtype, not a mix
                 self._hook(unit)
@@ -208,6 +294,7 @@ class FullyShardedDataParallel(nn.Module):
 
         def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             unit.gather()
+            unit.prefetch_forward()
             if dtype is not None:
                 return _cast(args, dtype), _cast(kwargs, dtype)
             return args, kwargs
@@ -222,16 +309,32 @@ class FullyShardedDataParallel(nn.Module):
         unit.module.register_forward_hook(after, with_kwargs=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        s = self.schedule
+        s.order = []
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            s.last = s.order
+            for unit in self.units:  # gathered ahead for a unit this forward did not reach
+                if None in unit.coming:
+                    unit.coming.pop(None)[0].wait()
 
     @torch.no_grad()
     def finish(self) -> None:
         """After backward, before the step: average the replicated parameters' gradients.
 
-        The units' gradients were reduce-scattered during backward already. One flat
-        allreduce for all replicated parameters (missing gradients count as zero).
-        The name is :meth:`pcourse.buckets.BucketedAllreduce.finish`'s: the same moment.
+        The units' gradients were reduce-scattered during backward already (with
+        ``overlap``, the last are waited for here). One flat allreduce for all
+        replicated parameters (missing gradients count as zero). The name is
+        :meth:`pcourse.buckets.BucketedAllreduce.finish`'s: the same moment.
         """
+        s = self.schedule
+        s.reduced()
+        s.saved.clear()
+        for unit in self.units:  # gathered ahead for a backward that did not need them
+            for work, _ in unit.coming.values():
+                work.wait()
+            unit.coming.clear()
         if not self.replicated:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.replicated]

@@ -85,20 +85,30 @@ def compare(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
     assert "block1.0.bias" not in moved and len(moved) == len(want) - 1, (what, moved)
 
 
-def zero(stage: int, opt_name: str, backend) -> dict[str, torch.Tensor]:
+# Bucket caps (bytes): one bucket for the whole model, and a few buckets cut through it
+CAPS = (25 << 20, 800)
+
+
+def zero(stage: int, opt_name: str, backend, overlap: bool = False,
+         cap: int = CAPS[0]) -> dict[str, torch.Tensor]:
     model = Tiny()
     cls, kw = OPTIMIZERS[opt_name]
-    opt = ShardedOptimizer(model.parameters(), cls, backend=backend, stage=stage, **kw)
+    opt = ShardedOptimizer(model.parameters(), cls, backend=backend, stage=stage,
+                           overlap=overlap, module=model, bucket_cap_bytes=cap, **kw)
+    assert cap == CAPS[0] or len(opt.buckets) > 2, len(opt.buckets)
     for x, y in batches():
         opt.zero_grad()
         nn.functional.cross_entropy(model(mine(x)), mine(y)).backward()
         opt.step()
+    opt.synchronize()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def fsdp(opt_name: str, backend, compute_dtype=None) -> dict[str, torch.Tensor]:
+def fsdp(opt_name: str, backend, compute_dtype=None, prefetch: int = 0,
+         overlap: bool = False) -> dict[str, torch.Tensor]:
     model = FullyShardedDataParallel(Tiny(), backend, shard=nn.Linear,
-                                     compute_dtype=compute_dtype)
+                                     compute_dtype=compute_dtype, prefetch=prefetch,
+                                     overlap=overlap)
     cls, kw = OPTIMIZERS[opt_name]
     opt = cls(model.parameters(), **kw)
     for x, y in batches():
@@ -112,15 +122,16 @@ def fsdp(opt_name: str, backend, compute_dtype=None) -> dict[str, torch.Tensor]:
 def wire(backend) -> None:
     """Bytes each rank hands to the backend in one step, beside the theory."""
     psi = sum(p.numel() for p in Tiny().parameters() if p.requires_grad)
-    for kind, factor in (("zero1", 2), ("zero2", 2), ("fsdp", 3)):
-        counter = CountingBackend(backend)
+    for kind, factor, ahead in (("zero1", 2, False), ("zero2", 2, False), ("fsdp", 3, False),
+                                ("zero2", 2, True), ("fsdp", 3, True)):
+        counter = CountingBackend(backend)  # overlap and prefetch move the same bytes
         model = Tiny()
-        if kind == "fsdp":
-            model = FullyShardedDataParallel(model, counter)  # one unit: all of it
+        if kind == "fsdp":  # one unit: all of it
+            model = FullyShardedDataParallel(model, counter, prefetch=int(ahead), overlap=ahead)
             opt = torch.optim.AdamW(model.parameters())
         else:
             opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, backend=counter,
-                                   stage=int(kind[-1]))
+                                   stage=int(kind[-1]), overlap=ahead, module=model)
         x, y = batches()[0]
         for _ in range(2):  # the second step: no agreement checks
             counter.reset()
@@ -142,8 +153,13 @@ def main() -> None:
         for opt_name in OPTIMIZERS:
             want = reference(opt_name)
             for stage in (1, 2):
-                compare(f"ZeRO-{stage} {opt_name}", zero(stage, opt_name, backend), want)
-            compare(f"FSDP {opt_name}", fsdp(opt_name, backend), want)
+                for overlap in (False, True):
+                    for cap in CAPS:
+                        compare(f"ZeRO-{stage} {opt_name} overlap={overlap} cap={cap}",
+                                zero(stage, opt_name, backend, overlap, cap), want)
+            for prefetch, overlap in ((0, False), (1, True), (2, True), (1, False)):
+                compare(f"FSDP {opt_name} prefetch={prefetch} overlap={overlap}",
+                        fsdp(opt_name, backend, prefetch=prefetch, overlap=overlap), want)
         wire(backend)
         torch.set_default_dtype(torch.float32)
         lo = fsdp("sgd", backend, compute_dtype=torch.bfloat16)

@@ -1,15 +1,21 @@
 """Sharded training beside torch's own: ``python -m pcourse.tools.bench sharding [options]``.
 
 On Gloo, for Franke's net and the VAE at each rank count, one training step (AdamW)
-of: DDP (torch's), our ZeRO-1 and ZeRO-2 (:class:`pcourse.sharding.ShardedOptimizer`)
-and torch's ``ZeroRedundancyOptimizer`` (under DDP, as torch documents it), our FSDP
-(:class:`pcourse.sharding.FullyShardedDataParallel`, every ``nn.Linear`` a unit) and
-FSDP2's ``fully_shard`` (the same units). First every strategy trains the same steps
-from the same start, and the largest difference of its parameters from DDP's is
-recorded (the updates are the same up to float32 rounding); then the strategies
-take turns in rounds, timed. Writes a CSV with the median step time and its ratio
+of: DDP (torch's), our ZeRO-1 and ZeRO-2 (:class:`pcourse.sharding.ShardedOptimizer`),
+each with its collectives in the open and overlapped (``-overlap``: buckets of about a
+quarter of the model reduce-scattered in backward, all-gathers waited for in the next
+forward), and torch's ``ZeroRedundancyOptimizer`` (under DDP, as torch documents it),
+our FSDP (:class:`pcourse.sharding.FullyShardedDataParallel`, every ``nn.Linear`` a
+unit; ``-prefetch``: one unit gathered ahead, reduce-scatters overlapped) and FSDP2's
+``fully_shard`` (the same units). First every strategy trains the same steps from the
+same start, and the largest difference of its parameters from DDP's is recorded (the
+updates are the same up to float32 rounding); then the strategies take turns in
+rounds, timed; then each of ours is traced (:mod:`pcourse.tools.bench.overlap`): its
+communication in flight per step, and the part of it exposed (the slowest rank's,
+median of a few traced steps). Writes a CSV with the median step time and its ratio
 to DDP's, and a plot beside it, and prints the targets (ours against DDP and against
-torch's) as met or not: a benchmark's figures, never a test's verdict.
+torch's) as met or not, and what overlapping gained here, decided beyond the spread
+of the rounds: a benchmark's figures, never a test's verdict.
 """
 
 from __future__ import annotations
@@ -26,12 +32,19 @@ from pcourse.runtime.ranks import launcher
 from pcourse.tools.bench import jobs
 from pcourse.utils.io import NotWritable, check_writable, save, write_csv
 
-STRATEGIES = ("ddp", "zero1", "zero2", "torch-zero", "fsdp", "torch-fsdp2")
+STRATEGIES = ("ddp", "zero1", "zero1-overlap", "zero2", "zero2-overlap", "torch-zero", "fsdp",
+              "fsdp-prefetch", "torch-fsdp2")
+OURS = tuple(s for s in STRATEGIES if s[:4] in ("zero", "fsdp"))  # they go through our backend
+OVERLAPPED = {"zero1-overlap": "zero1", "zero2-overlap": "zero2", "fsdp-prefetch": "fsdp"}
 FIELDS = ["workload", "ranks", "strategy", "steps", "median_ms", "ratio_to_ddp",
-          "max_diff_vs_ddp"]
-# (ours, theirs, at most this ratio, only at these rank counts or None)
-TARGETS = (("zero1", "ddp", 1.1, None), ("zero1", "torch-zero", 1.0, None),
-           ("zero2", "torch-zero", 1.0, None), ("fsdp", "torch-fsdp2", 1.0, (2,)))
+          "max_diff_vs_ddp", "comm_ms", "exposed_ms", "backward_ms", "round_ms"]
+TRACED = 3  # traced steps per strategy: the median is reported
+# (ours, theirs, at most this ratio, only at these rank counts or None, only this workload)
+TARGETS = (("zero1", "ddp", 1.1, None, None), ("zero1", "torch-zero", 1.0, None, None),
+           ("zero2", "torch-zero", 1.0, None, None), ("fsdp", "torch-fsdp2", 1.0, (2,), None),
+           ("zero1-overlap", "ddp", 1.1, None, None), ("zero2-overlap", "ddp", 1.1, None, None),
+           ("fsdp-prefetch", "ddp", 1.6, None, "vae"),
+           ("fsdp-prefetch", "torch-fsdp2", 0.6, None, None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,15 +90,21 @@ def build(strategy: str, make_model: Any, backend: Any) -> tuple[Any, Any, Any]:
     import torch
     from torch import nn
 
+    from pcourse.buckets import DEFAULT_CAP_BYTES
     from pcourse.sharding import FullyShardedDataParallel, ShardedOptimizer
 
-    model, group = make_model(), backend.group
+    model = make_model()
+    cap = sum(p.numel() * p.element_size() for p in model.parameters()) // 4  # ~4 buckets
+    group = getattr(backend, "group", None)  # torch's strategies: our backend's group
     if strategy == "ddp":
         ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
         return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), None
-    if strategy in ("zero1", "zero2"):
+    if strategy.startswith("zero"):
+        overlap = strategy.endswith("-overlap")
         opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, backend,
-                               stage=int(strategy[-1]), lr=1e-3)
+                               stage=int(strategy[4]), lr=1e-3, overlap=overlap,
+                               module=model if overlap else None,
+                               bucket_cap_bytes=cap if overlap else DEFAULT_CAP_BYTES)
         return model, opt, None
     if strategy == "torch-zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -94,8 +113,10 @@ def build(strategy: str, make_model: Any, backend: Any) -> tuple[Any, Any, Any]:
         opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, process_group=group,
                                       lr=1e-3)
         return ddp, opt, None
-    if strategy == "fsdp":
-        fsdp = FullyShardedDataParallel(model, backend, shard=nn.Linear)
+    if strategy.startswith("fsdp"):
+        ahead = strategy == "fsdp-prefetch"
+        fsdp = FullyShardedDataParallel(model, backend, shard=nn.Linear, prefetch=int(ahead),
+                                        overlap=ahead)
         return fsdp, torch.optim.AdamW(fsdp.parameters(), lr=1e-3), fsdp.finish
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
@@ -110,7 +131,7 @@ def build(strategy: str, make_model: Any, backend: Any) -> tuple[Any, Any, Any]:
 
 def full_params(strategy: str, module: Any) -> list:
     """Every parameter, whole, in the model's order (collective for the FSDPs)."""
-    if strategy == "fsdp":
+    if strategy.startswith("fsdp"):
         return list(module.full_parameters().values())
     if strategy == "torch-fsdp2":
         return [p.full_tensor().detach().clone() for _, p in sorted(module.named_parameters())]
@@ -138,27 +159,36 @@ def measure_ranks(comm: Any, spec: Spec, progress: jobs.Progress) -> None:
             for step in range(spec.check_steps):  # the same steps, from the same start
                 for s in STRATEGIES:
                     one_step(*built[s], loss, comm.rank, step)
+            for s in OURS:
+                getattr(built[s][1], "synchronize", lambda: None)()  # the last all-gathers
             ref = full_params("ddp", built["ddp"][0])
             diffs = {s: max((a - b).abs().max().item()
                             for a, b in zip(full_params(s, built[s][0]), ref, strict=True))
                      for s in STRATEGIES}
             times: dict[str, list[float]] = {s: [] for s in STRATEGIES}
+            rounds: dict[str, list[float]] = {s: [] for s in STRATEGIES}
             for round_ in range(spec.rounds):
                 for s in STRATEGIES:
+                    mine = []
                     for k in range(spec.steps):
                         comm.Barrier()
                         t0 = time.perf_counter()
                         one_step(*built[s], loss, comm.rank, spec.check_steps + k)
                         secs = time.perf_counter() - t0  # the slowest rank's
-                        times[s].append(float(comm.allreduce(secs, op=_max())))
+                        mine.append(float(comm.allreduce(secs, op=_max())))
+                    times[s] += mine
+                    rounds[s].append(statistics.median(mine) * 1e3)
                 progress.done(f"{workload} ×{comm.size}: round {round_ + 1}/{spec.rounds}", [])
+            del built
+            traced = {s: _traced(s, workload, backend, comm) for s in OURS}
             ms = {s: statistics.median(t) * 1e3 for s, t in times.items()}
             rows = [{"workload": workload, "ranks": comm.size, "strategy": s,
                      "steps": len(times[s]), "median_ms": round(ms[s], 3),
                      "ratio_to_ddp": round(ms[s] / ms["ddp"], 3),
-                     "max_diff_vs_ddp": f"{diffs[s]:.2e}"} for s in STRATEGIES]
+                     "max_diff_vs_ddp": f"{diffs[s]:.2e}",
+                     **traced.get(s, {"comm_ms": "", "exposed_ms": "", "backward_ms": ""}),
+                     "round_ms": " ".join(f"{r:.3f}" for r in rounds[s])} for s in STRATEGIES]
             progress.done(f"{workload} ×{comm.size}: done", rows)
-            del built
     finally:
         import gc
 
@@ -166,6 +196,22 @@ def measure_ranks(comm: Any, spec: Spec, progress: jobs.Progress) -> None:
         comm.Barrier()
         backend.close()
         comm.Barrier()
+
+
+def _traced(strategy: str, workload: str, backend: Any, comm: Any) -> dict[str, float]:
+    """The slowest rank's communication in flight, exposed, and backward (ms), each the
+    median of :data:`TRACED` traced steps."""
+    from pcourse.tools.bench.overlap import chrome_trace, exposure, record
+
+    got: dict[str, list[float]] = {"comm_ms": [], "exposed_ms": [], "backward_ms": []}
+    for _ in range(TRACED):
+        rec = record(strategy, workload, backend)
+        (mine,) = exposure(chrome_trace([rec]))
+        backward = sum(t1 - t0 for name, t0, t1 in rec["phases"] if name == "backward")
+        for key, value in (("comm_ms", mine["in_flight_ms"]), ("exposed_ms", mine["exposed_ms"]),
+                           ("backward_ms", backward)):
+            got[key].append(float(comm.allreduce(value, op=_max())))
+    return {k: round(statistics.median(v), 3) for k, v in got.items()}
 
 
 def _max() -> Any:
@@ -185,13 +231,40 @@ def targets(rows: list[dict]) -> list[str]:
     """Each target, as met or not, from the rows (never asserted)."""
     lines = []
     med = {(r["workload"], r["ranks"], r["strategy"]): float(r["median_ms"]) for r in rows}
-    for ours, theirs, bound, only in TARGETS:
+    for ours, theirs, bound, only, workload in TARGETS:
         for (w, p, s), ms in sorted(med.items()):
-            if s != ours or (only and p not in only) or (w, p, theirs) not in med:
+            if s != ours or (only and p not in only) or (w, p, theirs) not in med \
+                    or workload not in (None, w):
                 continue
             ratio = ms / med[w, p, theirs]
             lines.append(f"target {ours} ≤ {bound:g}× {theirs} ({w}, {p} ranks): "
                          f"{ratio:.2f}× — {'met' if ratio <= bound else 'NOT met'}")
+    return lines
+
+
+def overlap_notes(rows: list[dict]) -> list[str]:
+    """Per overlapped variant: its step against the same strategy in the open, decided
+    beyond the spread of the rounds, and what its own trace says about why."""
+    from pcourse.utils.verdict import faster
+
+    by = {(r["workload"], r["ranks"], r["strategy"]): r for r in rows}
+    lines = []
+    for (w, p, s), r in sorted(by.items()):
+        plain = by.get((w, p, OVERLAPPED.get(s, "")))
+        if plain is None or not r.get("comm_ms") or not r.get("round_ms"):
+            continue
+        a = [float(x) for x in str(r["round_ms"]).split()]
+        b = [float(x) for x in str(plain["round_ms"]).split()]
+        verdict = faster(a, b, (s, plain["strategy"])) if min(len(a), len(b)) > 1 else \
+            "one round: no spread to decide on"
+        comm, exposed, back = (float(r[k]) for k in ("comm_ms", "exposed_ms", "backward_ms"))
+        lines.append(f"{w}, {p} ranks: {verdict}; exposed communication {exposed:.2f} of "
+                     f"{comm:.2f} ms in flight (in the open: {float(plain['exposed_ms']):.2f} "
+                     f"of {float(plain['comm_ms']):.2f})")
+        if exposed > 0.8 * comm:
+            lines.append(f"  nothing much to hide behind here: backward takes {back:.2f} ms, "
+                         f"the communication {comm:.2f} ms in flight, and the rank's cores "
+                         f"run both (a collective moves only when a core is free for it)")
     return lines
 
 
@@ -218,12 +291,13 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 
 def report(rows: list[dict], out: str) -> None:
-    print(f"{'workload':8} {'p':>2} {'strategy':12} {'median ms':>10} {'× DDP':>7} "
-          f"{'max |Δ| vs DDP':>15}")
+    print(f"{'workload':8} {'p':>2} {'strategy':14} {'median ms':>10} {'× DDP':>7} "
+          f"{'max |Δ| vs DDP':>15} {'comm ms':>8} {'exposed':>8}")
     for r in rows:
-        print(f"{r['workload']:8} {r['ranks']:>2} {r['strategy']:12} {r['median_ms']:>10} "
-              f"{r['ratio_to_ddp']:>7} {r['max_diff_vs_ddp']:>15}")
-    for line in targets(rows):
+        print(f"{r['workload']:8} {r['ranks']:>2} {r['strategy']:14} {r['median_ms']:>10} "
+              f"{r['ratio_to_ddp']:>7} {r['max_diff_vs_ddp']:>15} {r.get('comm_ms', ''):>8} "
+              f"{r.get('exposed_ms', ''):>8}")
+    for line in targets(rows) + overlap_notes(rows):
         print(line)
     print(f"wrote {save(out, lambda path: write_csv(path, rows, FIELDS))}")
     print(f"wrote {save(Path(out).with_suffix('.png'), lambda path: plot(rows, path))}")
