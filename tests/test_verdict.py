@@ -22,9 +22,10 @@ def test_needs_a_spread() -> None:
 # The rule the lessons are read with (their code, not their outputs; nothing is run):
 #
 # - a ``print`` whose text ranks (RANKING: "faster", "winner", "better", ...) with no
-#   comparison that states its margin, or that shows an ordering comparison (<, <=, >, >=) with no stated margin: no number in it
-#   but 0 and 1 and no named constant (``err < 1e-12``, ``x < 1.1 * y`` and
-#   ``peak <= BUDGET`` state theirs; ``t < base`` and ``ratio > 1`` decide at noise
+#   comparison that states its margin, or that shows an ordering comparison (<, <=, >,
+#   >=) with no stated margin: no number in it but 0 and 1 and no named CONSTANT
+#   (``err < 1e-12``, ``x < 1.1 * y`` and ``peak <= BUDGET`` state theirs; ``t < base``
+#   and ``ratio > 1`` decide at noise
 #   level). The names it shows are followed to their assignments in the notebook, so a
 #   verdict computed a cell earlier counts;
 # - a lesson's own function that returns a ranking word (a second helper);
