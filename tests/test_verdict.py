@@ -207,3 +207,16 @@ def test_the_verdict_rule_catches_what_it_is_for(tmp_path):
                  "# exact: counted, not timed\nprint('fewer messages:', n < m)",
                  "print('identical:', a == b, 'small:', b < dist._DEFAULT_CAP + c)",
                  "%%px\nprint('ranks', r)") == []
+
+
+def test_summarised_timings_decide_only_beyond_their_spreads() -> None:
+    from pcourse.utils.verdict import faster_by_spread
+
+    assert faster_by_spread((1.0, 0.1), (2.0, 0.1), ("A", "B")).startswith(
+        "A is faster than B: 0.50×")
+    assert faster_by_spread((2.0, 0.1), (1.0, 0.1), ("A", "B")).startswith(
+        "B is faster than A: 0.50×")
+    said = faster_by_spread((1.0, 0.2), (1.7, 0.2), ("A", "B"))  # 0.7 < 2 × 0.4
+    assert said.startswith("no difference was measured between A and B"), said
+    with pytest.raises(ValueError, match="positive"):
+        faster_by_spread((1.0, -0.1), (1.0, 0.1))
