@@ -190,3 +190,23 @@ def test_strip_rewrites_only_the_notebooks_that_held_an_empty_display(tmp_path):
     assert outputs.main(["--course", str(root), "--strip"]) == 0
     assert nbformat.read(root / _lesson(root), as_version=4).cells[1].outputs == []
     assert (root / "index.ipynb").stat().st_mtime_ns == before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_make_lessons_executes_what_is_stale_and_stores_it_clean_and_stamped(tmp_path, capsys):
+    """`make lessons`: a stale lesson is executed in a kernel, its outputs stored without
+    the empty display a cleared progress bar leaves (as pcourse.utils.progress.Bar's),
+    and stamped; a current one is left alone."""
+    root = _tiny(tmp_path, [
+        "from IPython.display import display\n"
+        "bar = display({}, raw=True, display_id=True)\n"
+        "bar.update({'text/plain': 'half way'}, raw=True)\nbar.update({}, raw=True)\n"
+        "print('done')"])
+    assert outputs.main(["--course", str(root)]) == 0
+    nb = nbformat.read(root / _lesson(root), as_version=4)
+    assert [o.get("text") for o in nb.cells[1].outputs] == ["done\n"]
+    assert outputs.staleness(_lesson(root), root) == []
+    capsys.readouterr()
+    assert outputs.main(["--course", str(root)]) == 0
+    assert "executing" not in capsys.readouterr().out
