@@ -30,7 +30,8 @@ Commands (``python -m pcourse.tools.workshop.outputs``):
 
 - (no flag; ``make lessons``) executes every stale lesson and solution with nbclient,
   in quick mode, and stores its outputs in place, cleaned and stamped; ``NB ...`` only
-  those;
+  those; ``--force`` executes them even if current (what a fingerprint cannot see
+  changed: the data, torch, the machine);
 - ``--check``: names the stale notebooks and their changed modules; exits 1 if any;
 - ``--stamp [NB ...]``: writes the fingerprint without executing, for whoever knows
   the outputs are current (after a merge that changed only what no output shows);
@@ -344,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument("--stamp", action="store_true", help="stamp without executing")
     what.add_argument("--strip", action="store_true", help="remove empty displays from every "
                       "notebook")
+    parser.add_argument("--force", action="store_true", help="execute even what is current "
+                        "(what the fingerprint cannot see changed: data, torch, the machine)")
     parser.add_argument("notebooks", nargs="*", type=Path, metavar="NB",
                         help="only these (default: every lesson and solution)")
     parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT, metavar="S")
@@ -365,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
             write(nb, root / rel)
             print(f"stamped {rel}")
         return 0
-    stale = {rel: why for rel in chosen if (why := staleness(rel, root))}
+    stale = {rel: why for rel in chosen
+             if (why := staleness(rel, root) or (["--force"] if args.force else []))}
     for rel, why in stale.items():
         print(f"{rel}: stale: {'; '.join(why)}")
     if args.check:
