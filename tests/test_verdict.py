@@ -43,7 +43,8 @@ from pcourse.tools.workshop import course  # noqa: E402
 from pcourse.tools.workshop.outputs import notebook_code  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-RANKING = re.compile(r"\b(?:faster|slower|quicker|fastest|slowest|wins?|winner|beats?|better|"
+# ("slowest" is not one: "the slowest rank's time" names a measurement, not a winner)
+RANKING = re.compile(r"\b(?:faster|slower|quicker|fastest|wins?|winner|beats?|better|"
                      r"worse|cheaper|costlier|outperforms?)\b", re.I)
 EXACT = re.compile(r"#\s*exact:\s*\S")
 HELPER = "pcourse.utils.verdict"
@@ -52,7 +53,7 @@ HELPER = "pcourse.utils.verdict"
 # lessons' fixer (review 2026-12-05: L05-1, L08-3 and the "winners inside the spread");
 # 10: lesson 10's; 12: the measured bubble "falls at every step up in m", decided without
 # a margin (a fix changes its output: it needs `make lessons`).
-KNOWN_BYPASSES: dict[str, int] = {"03": 3, "04": 5, "05": 6, "06": 4, "07": 5, "08": 7,
+KNOWN_BYPASSES: dict[str, int] = {"03": 3, "04": 5, "05": 5, "06": 4, "07": 5, "08": 7,
                                   "10": 3, "12": 1}
 
 
