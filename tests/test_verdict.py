@@ -79,15 +79,16 @@ class _Lesson:
 
     def __init__(self, nb: nbformat.NotebookNode) -> None:
         self.cells = []
-        for code in notebook_code(nb):
+        numbers = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+        for i, code in zip(numbers, notebook_code(nb), strict=True):
             try:
-                self.cells.append((code, ast.parse(code)))
+                self.cells.append((i, code, ast.parse(code)))
             except SyntaxError:
                 continue
         self.assigned: dict[str, list[ast.AST]] = {}
         self.helpers: set[str] = set()
         self.own: set[str] = set()  # the lesson's functions that return a ranking word
-        for _, tree in self.cells:
+        for _, _, tree in self.cells:
             for n in ast.walk(tree):
                 if isinstance(n, ast.Assign | ast.AugAssign | ast.AnnAssign) and n.value:
                     for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
@@ -143,7 +144,7 @@ class _Lesson:
 
     def bypasses(self) -> list[str]:
         found = [f"def {name}: a verdict helper of the lesson's own" for name in sorted(self.own)]
-        for code, tree in self.cells:
+        for i, code, tree in self.cells:
             lines = code.splitlines()
             for n in ast.walk(tree):
                 if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
@@ -161,7 +162,8 @@ class _Lesson:
                 naked = [p for p in ordering if not _stated(p)]
                 ranks = RANKING.search(_texts(n)) and not ordering  # a margin says how
                 if naked or own or (ranks and not through):
-                    found.append(ast.get_source_segment(code, n).split("\n")[0][:100])
+                    found.append(f"cell {i}: "
+                                 + ast.get_source_segment(code, n).split("\n")[0][:100])
         return found
 
 
