@@ -50,7 +50,7 @@ LAB_ROOT ?= .
 LAB_INDEX ?= index.ipynb
 
 .PHONY: setup lab test test-fast test-openmpi lint gpu-check clean-venv exercises grade grade-class reset \
-	timings troubleshooting browser book book-setup
+	timings troubleshooting lessons browser book book-setup
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -156,6 +156,13 @@ reset: setup
 # On a quiet machine; TIMINGS_ARGS=--full for full mode, --only NAME... for some notebooks.
 timings: setup
 	$(RUN) $(PY) -m pcourse.tools.workshop.timings $(TIMINGS_ARGS)
+
+# Re-execute every lesson and solution whose code changed since its outputs were stored
+# (the fingerprint in its metadata), storing the new outputs in place; LESSONS_ARGS=--check
+# only names them, --stamp marks the stored outputs current without running, --strip
+# removes empty displays (pcourse/tools/workshop/outputs.py).
+lessons: setup
+	$(RUN) $(PY) -m pcourse.tools.workshop.outputs $(LESSONS_ARGS)
 
 # Regenerate the generated blocks (the troubleshooting table in INSTRUCTORS.md from the
 # setup check's reasons, the timing tables from the stored measurements), running nothing.

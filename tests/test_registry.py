@@ -291,3 +291,50 @@ def test_readme_counts_the_exercises():
     n = len(COURSE.exercises)
     assert f"\n{NUMBER_WORDS[n].capitalize()} exercises (`exercises/`" in readme, \
         f"README's Grading section should open with '{NUMBER_WORDS[n].capitalize()} exercises'"
+
+
+# Where any text of the course states a fact, it states the registry's (course.facts):
+# the README, the guide, the index, and every lesson's prose and code comments.
+FACTS = course.facts(REPO)
+QUICK_IMAGES = re.compile(r"\b(\d{1,3}(?:,\d{3})+|\d+)\s+(?:\w+\s+){0,3}?images\b")
+
+
+def _sentences() -> list[tuple[str, str]]:
+    """(where, sentence) for every sentence of the course's text: docs, then each
+    lesson's markdown (a paragraph's lines joined) and code (line by line: comments and
+    strings say facts too)."""
+    prose = [(name, (REPO / name).read_text()) for name in ("README.md", "INSTRUCTORS.md")]
+    prose.append(("index.ipynb", _markdown(Path("index.ipynb"))))
+    prose += [(x.name, _markdown(x.path)) for x in COURSE.lessons]
+    found = [(where, s) for where, text in prose for para in re.split(r"\n\s*\n", text)
+             for s in re.split(r"(?<=[.;])\s+", " ".join(para.split())) if s]
+    return found + [(x.name, s) for x in COURSE.lessons for line in _code(x.path).splitlines()
+                    for s in re.split(r"(?<=[.;])\s+", line) if s.strip()]
+
+
+def test_every_text_says_the_registrys_quick_mode_image_count():
+    n = FACTS.quick_mnist_images
+    said = [(where, s, m.group(1)) for where, s in _sentences() if re.search(r"quick mode", s, re.I)
+            for m in QUICK_IMAGES.finditer(s)]
+    assert said, "no text says how many images quick mode trains on; the pattern is stale"
+    wrong = [f"{where}: {s.strip()[:150]!r}" for where, s, k in said
+             if int(k.replace(",", "")) != n]
+    assert not wrong, f"quick mode trains on {n:,} images (course.facts); these say otherwise:\n" \
+        + "\n".join(wrong)
+
+
+def test_only_the_registrys_last_lesson_is_called_the_last_anywhere():
+    last = FACTS.last_lesson.number
+    wrong = [f"{where}: {s.strip()[:150]!r}" for where, s in _sentences()
+             if re.search(r"\b(?:last|final) lesson\b", s, re.I)
+             and (numbers := set(re.findall(r"\b(\d\d)\b", s))) and last not in numbers]
+    assert not wrong, f"the last lesson is {last} (course.toml); these name another:\n" + \
+        "\n".join(wrong)
+
+
+def test_the_fact_checks_catch_what_they_are_for():
+    assert [m.group(1) for m in QUICK_IMAGES.finditer(
+        "quick mode: 9,000 test images; README once said the 2,048 test images")] == \
+        ["9,000", "2,048"]
+    assert not QUICK_IMAGES.search("quick mode trains for 2 epochs")
+    assert FACTS.grader_engines == max(FACTS.grader_sizes)

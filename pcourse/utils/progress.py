@@ -6,8 +6,10 @@ every saved output. :class:`Bar` serves both, wherever the code runs:
 
 - **in a notebook's kernel**: a display that starts empty, is updated in place, and
   is emptied at the end. nbval records only the first, empty, version (it ignores
-  updates) and nbclient only the last, so neither the saved cell nor nbval's
-  comparison keeps anything of it;
+  updates), so its comparison sees nothing. nbclient stores the last version: an
+  empty display, which a kernel cannot take back (only clear the whole cell), so the
+  tool that stores a lesson's outputs removes it
+  (:func:`pcourse.tools.workshop.outputs.strip`, ``make lessons``);
 - **on an ipyparallel engine** (rank 0 of a training run): the state is published
   with ipyparallel's ``publish_data``; the notebook's blocking ``apply`` shows it in
   such a display (:func:`pcourse.tools.cluster.engines` watches :func:`latest`);

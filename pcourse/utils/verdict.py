@@ -28,3 +28,23 @@ def faster(a: Sequence[float], b: Sequence[float], names: tuple[str, str] = ("A"
         return f"{y} is faster than {x}: {1 / ratio:.2f}× its time, every repeat faster"
     return (f"no difference was measured between {x} and {y}: their repeats overlap "
             f"(ratio of the medians {ratio:.2f})")
+
+
+def faster_by_spread(a: tuple[float, float], b: tuple[float, float],
+                     names: tuple[str, str] = ("A", "B"), k: float = 2.0) -> str:
+    """:func:`faster` for timings summarised as (mean, standard deviation) of their
+    repeats, where the repeats themselves are not kept (a benchmark's table).
+
+    Decided only when the means differ by more than ``k`` times the two spreads
+    together; otherwise no difference was measured.
+    """
+    (ma, sa), (mb, sb) = a, b
+    if min(sa, sb) < 0 or k <= 0:
+        raise ValueError(f"spreads and k must be positive, got {sa}, {sb} and k = {k}")
+    (x, y), ratio, margin = names, ma / mb, k * (sa + sb)
+    if ma < mb - margin:
+        return f"{x} is faster than {y}: {ratio:.2f}× its time, beyond {k:g}× their spreads"
+    if mb < ma - margin:
+        return f"{y} is faster than {x}: {1 / ratio:.2f}× its time, beyond {k:g}× their spreads"
+    return (f"no difference was measured between {x} and {y}: the means are within {k:g}× "
+            f"their spreads (ratio {ratio:.2f})")

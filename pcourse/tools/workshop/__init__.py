@@ -7,6 +7,9 @@
 - :mod:`~pcourse.tools.workshop.render`: the generated blocks of ``README.md``, ``index.ipynb``
   and ``INSTRUCTORS.md`` (the course's table, timing tables, workshop plans, and the
   table of every NOT READY verdict the setup check can print, with the fix).
+- :mod:`~pcourse.tools.workshop.outputs`: the notebooks' stored outputs, made by the code as
+  it is (a fingerprint per lesson; ``make lessons`` re-executes what is stale) and holding
+  only what a learner needs.
 - :mod:`~pcourse.tools.workshop.reset`: restore a learner's lesson or exercise to its shipped
   state, keeping a backup of what it replaces.
 

@@ -277,3 +277,22 @@ def quick_mnist_images() -> int:
     from pcourse.workloads.mnist import COUNTS
 
     return COUNTS["test"] - MNISTConfig().n_eval
+
+
+@dataclass(frozen=True)
+class Facts:
+    """The course-wide facts that text states (README.md, INSTRUCTORS.md, the index, the
+    lessons), each read from where it is made true; ``tests/test_registry.py`` checks
+    the text against them."""
+
+    last_lesson: Lesson  # the registry's last: the only one that may say it is the last
+    grader_engines: int  # engines per worker of the class grader
+    grader_sizes: tuple[int, ...]  # the rank counts a graded check runs at
+    quick_mnist_images: int  # the images lesson 06 trains on in quick mode
+
+
+def facts(root: Path | None = None) -> Facts:
+    """The course-wide facts of the course in ``root`` (:class:`Facts`)."""
+    from pcourse.tools.grading.harness import GRADER_SIZES
+
+    return Facts(load(root).last, grader_engines(), tuple(GRADER_SIZES), quick_mnist_images())
