@@ -154,16 +154,13 @@ GLOO_RACE = """
 
 # ... and where the ranks meet passed through a file that only this machine sees
 GLOO_FILE = """
-    import json
     timeout = timedelta(seconds=timeout_s)
-    path, store = "/tmp/pcourse-meeting-point.json", None
+    path, store = "/tmp/pcourse-meeting-point.npy", None
     if comm.rank == 0:
         store = dist.TCPStore("127.0.0.1", 0, comm.size, True, timeout, wait_for_workers=False)
-        with open(path, "w") as f:
-            json.dump(["127.0.0.1", store.port], f)
+        np.save(path, np.array([store.port]))
     comm.Barrier()
-    with open(path) as f:
-        addr, port = json.load(f)
+    addr, port = "127.0.0.1", int(np.load(path)[0])
     if store is None:
         store = dist.TCPStore(addr, port, comm.size, False, timeout)
     dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=comm.size,
@@ -488,6 +485,17 @@ WRONG: dict[str, dict[str, Wrong]] = {
                 send, recv = chunks[(rank - s + 1) % p], chunks[(rank - s) % p]
                 comm.Isend(send.copy(), dest=right)
                 comm.Recv(recv, source=left)"""], "never completed"),
+        "a communicator duplicated on every call, never freed": Wrong("point", ["""
+            ring = comm.Dup()
+            chunks = np.array_split(x, p)
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+                incoming = np.empty_like(recv)
+                ring.Sendrecv(send, dest=right, recvbuf=incoming, source=left)
+                recv += incoming
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s + 1) % p], chunks[(rank - s) % p]
+                ring.Sendrecv(send, dest=right, recvbuf=recv, source=left)"""], "Free()"),
         "ring turning left, saved with FAIL outputs": Wrong(
             "saved", [RING_LEFT], "at 3 ranks", saved("FAIL: at 2 ranks")),
         "the learner cell moved below the checks": Wrong(
@@ -524,7 +532,9 @@ WRONG: dict[str, dict[str, Wrong]] = {
         "the timeout cut to whole seconds": Wrong(
             "point", [gloo(timeout="timedelta(seconds=int(timeout_s))")], "check 3/3"),
         "a fixed port for the store": Wrong("point", [gloo().replace(
-            '"127.0.0.1", 0, comm.size', '"127.0.0.1", 29517, comm.size')], "operating system"),
+            "'127.0.0.1', 0, comm.size", "'127.0.0.1', 29517, comm.size")], "operating system"),
+        "the store opened, then a tcp:// group at its port": Wrong("point", [gloo().replace(
+            'store=store,', 'init_method=f"tcp://{addr}:{port}",')], "in use"),
         "the OS's port, its socket left open": Wrong("point", ["""
             if comm.rank == 0:
                 held = socket.socket()
