@@ -850,7 +850,7 @@ WRONG: dict[str, dict[str, Wrong]] = {
             comm.Reduce_scatter_block(flat_grad.float().numpy(), mine, op=MPI.SUM)
             shard.grad = torch.from_numpy(mine / comm.size).double()
             shard_opt.step()
-            comm.Allgather(shard.detach().numpy(), flat_params.numpy())"""], "check 2/3"),
+            comm.Allgather(shard.detach().numpy(), flat_params.numpy())"""], "check 3/3"),
         "MPI.COMM_WORLD instead of the comm given": Wrong("size", [RIGHT, """
             world = MPI.COMM_WORLD
             mine = np.empty(shard.numel())
