@@ -130,15 +130,42 @@ RING_LEFT = """
         comm.Sendrecv(send, dest=left, recvbuf=recv, source=right)"""
 
 GLOO_WITH = """
+    timeout = {timeout}
+    store = None
+    if comm.rank == 0:
+        store = dist.TCPStore({host!r}, 0, {size}, True, timeout, wait_for_workers=False)
+    addr, port = comm.bcast(({host!r}, store.port) if comm.rank == 0 else None, root=0)
+    if store is None:
+        store = dist.TCPStore(addr, port, {size}, False, timeout)
+    dist.init_process_group("gloo", store=store, rank={rank}, world_size={size}, timeout=timeout)
+    return {ret}"""
+
+# Exercise 04's old solution: the port chosen by a socket that is closed before torch listens
+GLOO_RACE = """
     where = None
     if comm.rank == 0:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             where = s.getsockname()
     addr, port = comm.bcast(where, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://{{addr}}:{{port}}", rank={rank},
-                            world_size={size}, timeout={timeout})
-    return {ret}"""
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank,
+                            world_size=comm.size, timeout=timedelta(seconds=timeout_s))
+    return addr, port"""
+
+# ... and where the ranks meet passed through a file that only this machine sees
+GLOO_FILE = """
+    timeout = timedelta(seconds=timeout_s)
+    path, store = "/tmp/pcourse-meeting-point.npy", None
+    if comm.rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, comm.size, True, timeout, wait_for_workers=False)
+        np.save(path, np.array([store.port]))
+    comm.Barrier()
+    addr, port = "127.0.0.1", int(np.load(path)[0])
+    if store is None:
+        store = dist.TCPStore(addr, port, comm.size, False, timeout)
+    dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=comm.size,
+                            timeout=timeout)
+    return addr, port"""
 
 
 # Code past the static reader: a pickle that, when rebuilt, patches print in the process it
@@ -181,8 +208,10 @@ class Forged:
 
 
 def gloo(rank: str = "comm.rank", size: str = "comm.size",
-         timeout: str = "timedelta(seconds=timeout_s)", ret: str = "addr, port") -> str:
-    return GLOO_WITH.format(rank=rank, size=size, timeout=timeout, ret=ret)
+         timeout: str = "timedelta(seconds=timeout_s)", ret: str = "addr, port",
+         host: str = "127.0.0.1") -> str:
+    """Exercise 04's solution (the store picks and holds the port) with one piece changed."""
+    return GLOO_WITH.format(rank=rank, size=size, timeout=timeout, ret=ret, host=host)
 
 
 FLOAT_SPREAD = """
@@ -279,6 +308,16 @@ WRONG: dict[str, dict[str, Wrong]] = {
             order = np.random.default_rng(seed + epoch).permutation(n)
             per = n // size
             return [int(i) for i in order[rank * per:(rank + 1) * per]]"""], "check 2/4"),
+        "randperm with int16 indices (n above 32,767)": Wrong("point", ["""
+            gen = torch.Generator().manual_seed(seed + epoch)
+            order = torch.randperm(n, generator=gen, dtype=torch.int16)
+            per = n // size
+            return order[rank * per:(rank + 1) * per].tolist()"""], "int16"),
+        "the last rank takes the remainder": Wrong("point", ["""
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+            per = n // size
+            stop = n if rank == size - 1 else (rank + 1) * per
+            return order[rank * per:stop].tolist()"""], "check 1/4"),
         "n // 2, saved with PASS under every check": Wrong(
             "saved", [PARTITION_PER_2], "at 3 ranks", saved("PASS")),
         "unsolved, every check cell replaced by its PASS line": Wrong(
@@ -343,6 +382,29 @@ WRONG: dict[str, dict[str, Wrong]] = {
                 if p.grad is not None and comm.rank == 0:
                     comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
                     p.grad /= comm.size"""], "check 2/4"),
+        "averaged through a float32 copy, copied back": Wrong("point", [RIGHT, """
+            for p in model.parameters():
+                if p.grad is not None:
+                    buf = p.grad.float().numpy()
+                    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+                    p.grad.copy_(torch.from_numpy(buf)).div_(comm.size)"""], "float32"),
+        "summed in float64, stored back with .float()": Wrong("point", ["""
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad = (comm.allreduce(p.grad.double(), op=MPI.SUM) / comm.size).float()""",
+                                                                  RIGHT], "check 1/4"),
+        "flattened with view(-1)": Wrong("point", [RIGHT, """
+            for p in model.parameters():
+                if p.grad is not None:
+                    flat = p.grad.view(-1)
+                    comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+                    flat /= comm.size"""], "transposed"),
+        "a communicator duplicated on every call, never freed": Wrong("point", [RIGHT, """
+            mine = comm.Dup()
+            for p in model.parameters():
+                if p.grad is not None:
+                    mine.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
+                    p.grad /= comm.size"""], "Free()"),
         "tensors_differ replaced by one that finds nothing": Wrong(
             "tampered", [RIGHT, UNSOLVED], "rebinds `tensors_differ`",
             learner_adds("tensors_differ = lambda *args, **kwargs: None")),
@@ -411,6 +473,29 @@ WRONG: dict[str, dict[str, Wrong]] = {
                 send, recv = chunks[(rank - s + 1) % p], chunks[(rank - s) % p]
                 comm.Isend(send, dest=right).Wait()
                 comm.Recv(recv, source=left)"""], "deadlock"),
+        "Isends never waited for": Wrong("point", ["""
+            chunks = np.array_split(x, p)
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+                incoming = np.empty_like(recv)
+                comm.Isend(send.copy(), dest=right)
+                comm.Recv(incoming, source=left)
+                recv += incoming
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s + 1) % p], chunks[(rank - s) % p]
+                comm.Isend(send.copy(), dest=right)
+                comm.Recv(recv, source=left)"""], "never completed"),
+        "a communicator duplicated on every call, never freed": Wrong("point", ["""
+            ring = comm.Dup()
+            chunks = np.array_split(x, p)
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+                incoming = np.empty_like(recv)
+                ring.Sendrecv(send, dest=right, recvbuf=incoming, source=left)
+                recv += incoming
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s + 1) % p], chunks[(rank - s) % p]
+                ring.Sendrecv(send, dest=right, recvbuf=recv, source=left)"""], "Free()"),
         "ring turning left, saved with FAIL outputs": Wrong(
             "saved", [RING_LEFT], "at 3 ranks", saved("FAIL: at 2 ranks")),
         "the learner cell moved below the checks": Wrong(
@@ -439,6 +524,17 @@ WRONG: dict[str, dict[str, Wrong]] = {
             dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank,
                                     world_size=comm.size, timeout=timedelta(seconds=timeout_s))
             return addr, port"""], "operating system"),
+        "bind to port 0, close, let torch bind it (the race)": Wrong(
+            "point", [GLOO_RACE], "taken between choosing it and listening"),
+        "the meeting point 0.0.0.0": Wrong("point", [gloo(host="0.0.0.0")], "0.0.0.0"),
+        "the meeting point passed through a file in /tmp": Wrong("point", [GLOO_FILE],
+                                                                  "through MPI"),
+        "the timeout cut to whole seconds": Wrong(
+            "point", [gloo(timeout="timedelta(seconds=int(timeout_s))")], "check 3/3"),
+        "a fixed port for the store": Wrong("point", [gloo().replace(
+            "'127.0.0.1', 0, comm.size", "'127.0.0.1', 29517, comm.size")], "operating system"),
+        "the store opened, then a tcp:// group at its port": Wrong("point", [gloo().replace(
+            'store=store,', 'init_method=f"tcp://{addr}:{port}",')], "in use"),
         "the OS's port, its socket left open": Wrong("point", ["""
             if comm.rank == 0:
                 held = socket.socket()
@@ -447,7 +543,7 @@ WRONG: dict[str, dict[str, Wrong]] = {
             addr, port = comm.bcast(where if comm.rank == 0 else None, root=0)
             dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank,
                                     world_size=comm.size, timeout=timedelta(seconds=timeout_s))
-            return addr, port"""], "close that socket"),
+            return addr, port"""], "in use"),
         "(port, address) returned": Wrong("point", [gloo(ret="port, addr")], "(address, port)"),
         "no timeout given": Wrong("point", [gloo(timeout="timedelta(minutes=30)")], "check 3/3"),
         "a fixed timeout of 15 s": Wrong("point", [gloo(timeout="timedelta(seconds=15)")],
@@ -515,6 +611,30 @@ WRONG: dict[str, dict[str, Wrong]] = {
             for t in [*model.parameters(), *model.buffers()]:
                 if comm.rank == root:
                     comm.Bcast(t.detach().numpy(), root=root)""", RIGHT], "check 1/4"),
+        "broadcast into t.contiguous().numpy()": Wrong("point", ["""
+            for t in [*model.parameters(), *model.buffers()]:
+                comm.Bcast(t.detach().contiguous().numpy(), root=root)""", RIGHT], "0.weight"),
+        "frozen parameters skipped": Wrong("point", ["""
+            for t in [*(q for q in model.parameters() if q.requires_grad), *model.buffers()]:
+                comm.Bcast(t.detach().numpy(), root=root)""", RIGHT], "0.bias"),
+        "spread rounded to 6 decimals": Wrong("point", [RIGHT, """
+            spread = 0.0
+            for t in [*model.parameters(), *model.buffers()]:
+                hi = t.detach().numpy().copy()
+                lo = hi.copy()
+                comm.Allreduce(MPI.IN_PLACE, hi, op=MPI.MAX)
+                comm.Allreduce(MPI.IN_PLACE, lo, op=MPI.MIN)
+                spread = max(spread, float((hi - lo).max()))
+            return round(spread, 6)"""], "nearly identical"),
+        "spread measured through float32": Wrong("point", [RIGHT, """
+            spread = 0.0
+            for t in [*model.parameters(), *model.buffers()]:
+                hi = t.detach().float().numpy().copy()
+                lo = hi.copy()
+                comm.Allreduce(MPI.IN_PLACE, hi, op=MPI.MAX)
+                comm.Allreduce(MPI.IN_PLACE, lo, op=MPI.MIN)
+                spread = max(spread, float((hi - lo).max()))
+            return spread"""], "nearly identical"),
         "buffers forgotten, saved with PASS": Wrong("saved", ["""
             for t in model.parameters():
                 comm.Bcast(t.detach().numpy(), root=root)""", RIGHT], "running_mean",
@@ -568,6 +688,22 @@ WRONG: dict[str, dict[str, Wrong]] = {
             for g in grads:
                 g.copy_(bucket[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()"""], "check 4/4"),
+        "a float32 bucket (torch.empty without dtype)": Wrong("point", ["""
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            bucket = torch.empty(sum(g.numel() for g in grads))
+            offset = 0
+            for g in grads:
+                bucket[offset:offset + g.numel()] = g.reshape(-1)
+                offset += g.numel()
+            comm.Allreduce(MPI.IN_PLACE, bucket.numpy(), op=MPI.SUM)
+            bucket /= comm.size
+            offset = 0
+            for g in grads:
+                g.copy_(bucket[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()"""], "float32"),
+        "flattened with view(-1)": Wrong("point", [BUCKET.format(
+            divisor="comm.size", order="grads").replace("g.reshape(-1)", "g.view(-1)")],
+            "transposed"),
         "unsolved, saved with PASS under every check": Wrong(
             "saved", [UNSOLVED], "not solved yet", saved("PASS")),
         "a check cell tagged as the learner's": Wrong(
@@ -609,6 +745,23 @@ WRONG: dict[str, dict[str, Wrong]] = {
         "only rank 0 averages": Wrong("deadlock", [RIGHT, """
             if (step + 1) % period == 0 and comm.rank == 0:
                 average_parameters(model, comm)"""], "check 2/3"),
+        "the state_dict averaged, its integer buffer too": Wrong("point", ["""
+            with torch.no_grad():
+                for t in model.state_dict().values():
+                    comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM)
+                    t.copy_(t / comm.size)""", RIGHT], "buffer"),
+        "averaged through a float32 copy": Wrong("point", ["""
+            with torch.no_grad():
+                for p in model.parameters():
+                    buf = p.detach().float().numpy()
+                    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+                    p.copy_(torch.from_numpy(buf) / comm.size)""", RIGHT], "float32"),
+        "a communicator duplicated on every call, never freed": Wrong("point", ["""
+            mine = comm.Dup()
+            with torch.no_grad():
+                for p in model.parameters():
+                    mine.Allreduce(MPI.IN_PLACE, p.detach().numpy(), op=MPI.SUM)
+                    p /= comm.size""", RIGHT], "Free()"),
         "summed, saved with FAIL outputs": Wrong("saved", ["""
             for p in model.parameters():
                 comm.Allreduce(MPI.IN_PLACE, p.detach().numpy(), op=MPI.SUM)""", RIGHT],
@@ -683,6 +836,19 @@ WRONG: dict[str, dict[str, Wrong]] = {
             comm.Reduce_scatter_block(flat_grad.numpy(), mine, op=MPI.SUM)
             shard.grad = torch.from_numpy(mine / comm.size)
             shard_opt.state.clear()
+            shard_opt.step()
+            comm.Allgather(shard.detach().numpy(), flat_params.numpy())"""], "check 3/3"),
+        "a communicator duplicated on every step, never freed": Wrong("point", [RIGHT, """
+            mine_comm = comm.Dup()
+            mine = np.empty(shard.numel())
+            mine_comm.Reduce_scatter_block(flat_grad.numpy(), mine, op=MPI.SUM)
+            shard.grad = torch.from_numpy(mine / comm.size)
+            shard_opt.step()
+            mine_comm.Allgather(shard.detach().numpy(), flat_params.numpy())"""], "Free()"),
+        "reduce-scattered through float32": Wrong("point", [RIGHT, """
+            mine = np.empty(shard.numel(), dtype=np.float32)
+            comm.Reduce_scatter_block(flat_grad.float().numpy(), mine, op=MPI.SUM)
+            shard.grad = torch.from_numpy(mine / comm.size).double()
             shard_opt.step()
             comm.Allgather(shard.detach().numpy(), flat_params.numpy())"""], "check 3/3"),
         "MPI.COMM_WORLD instead of the comm given": Wrong("size", [RIGHT, """

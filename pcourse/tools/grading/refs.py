@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
 from pcourse.runtime import private
-from pcourse.tools.grading.trials import CountingComm, world
+from pcourse.tools.grading.trials import CountingComm, check_left_behind, world
 
 BATCH = 60  # global batch of the gradient exercises: equal shards at 2, 3, 4, 5 and 6 ranks
 
@@ -37,22 +38,38 @@ class PartlyTrained(torch.nn.Module):
     models with optional branches do; gradient averaging must leave them alone.
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, general: bool = False) -> None:
         super().__init__()
-        self.body = make_model(seed)
+        self.body = make_model(seed, general=general)
         self.body[0].bias.requires_grad_(False)
-        self.unused = torch.nn.Linear(2, 2)
+        self.unused = torch.nn.Linear(2, 2).to(next(self.body.parameters()).dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
 
 
-def make_model(seed: int = 0, frozen: bool = False) -> torch.nn.Module:
-    """A small MLP whose parameters all differ in shape (wrong offsets show)."""
+def make_model(seed: int = 0, frozen: bool = False, general: bool = False) -> torch.nn.Module:
+    """A small MLP whose parameters all differ in shape (wrong offsets show).
+
+    ``general``: the model as the exercises' contracts allow it, not only as a first
+    test would build it: float64 (a float32 copy or bucket rounds its numbers, about
+    1e-8 apart, which float32's tolerance cannot see), and the last layer's weight stored
+    transposed, as a tied or transposed weight is (not contiguous: ``view(-1)`` fails on
+    it, ``contiguous()`` is a copy of it).
+    """
     if frozen:
-        return PartlyTrained(seed)
+        return PartlyTrained(seed, general)
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    if general:
+        model = model.double()
+        last = model[2]
+        last.weight = torch.nn.Parameter(last.weight.detach().t().contiguous().t())
+    return model
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
 
 
 def make_data(n: int = BATCH, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,18 +111,78 @@ def sgd_step(model: torch.nn.Module, lr: float) -> None:
                 p -= lr * p.grad
 
 
+def learner_call(fn: Callable, comm: CountingComm, model: torch.nn.Module, *args: Any) -> Any:
+    """``fn(model, comm, *args)``, the learner's; its error said in plain words where the
+    general model explains it, and what it left behind (requests, communicators) refused."""
+    try:
+        value = fn(model, comm, *args)
+    except NotImplementedError:
+        raise
+    except Exception as exc:
+        odd = [n for n, t in model.named_parameters() if not t.is_contiguous()]
+        if odd and ("view" in str(exc) or "contiguous" in str(exc)):
+            raise _said(exc, f"{exc} (the parameter {odd[0]} is stored transposed, as a tied "
+                    "or transposed weight is: it and its gradient are not contiguous, so "
+                    ".view(-1) fails on them; .reshape(-1) copies where it must, and .numpy() "
+                    "shares their memory as it is)") from exc
+        raise
+    check_left_behind(comm, getattr(fn, "__name__", "the function"))
+    return value
+
+
+def _said(exc: Exception, message: str) -> Exception:
+    """``exc``'s type with ``message``, where that type can be made from a message."""
+    try:
+        return type(exc)(message)
+    except Exception:  # noqa: BLE001 - an exception type with another constructor
+        return RuntimeError(message)
+
+
+FLOAT64_RTOL, FLOAT64_ATOL = 1e-10, 1e-13  # float64's summation-order differences, not more
+
+
+def differ(got: list, want: list, names: list[str]) -> str | None:
+    """:func:`~pcourse.tools.grading.harness.tensors_differ` at float64's precision, after
+    the dtypes: a float64 model's numbers passed through float32 (``.float()``, a bucket
+    made with ``torch.empty(n)``, ``np.float32``) are off by about 1e-8, which a float32
+    tolerance lets through; said in plain words."""
+    from pcourse.tools.grading.harness import tensors_differ
+
+    for g, w, name in zip(got, want, names, strict=False):
+        if isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor) and g.dtype != w.dtype:
+            return (f"{name} is {str(g.dtype).removeprefix('torch.')}, but the model is "
+                    f"{str(w.dtype).removeprefix('torch.')}: keep every tensor in the model's "
+                    "own dtype")
+    problem = tensors_differ(got, want, names, rtol=FLOAT64_RTOL, atol=FLOAT64_ATOL)
+    if problem and tensors_differ(got, want, names) is None:
+        return (f"{problem}, about float32's rounding: the model is float64, and its numbers "
+                "went through float32 on the way (.float(), a bucket of torch.empty(n) or "
+                "torch.zeros(n) without dtype=, np.float32): keep them in the model's dtype")
+    return problem
+
+
 # ---------------------------------------------------------------- 01 partitioner
 
 def partition_trial(shard: Callable, cases: list[tuple[int, int, int]]) -> dict:
     """This rank's indices for every (n, seed, epoch), and whether the global RNGs were spared."""
     comm = world()
     before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
-    shares = [[int(i) for i in shard(n, comm.rank, comm.size, seed=seed, epoch=epoch)]
-              for n, seed, epoch in cases]
+    shares = [_share(shard, n, comm.rank, comm.size, seed, epoch) for n, seed, epoch in cases]
     after = (torch.get_rng_state(), np.random.get_state()[1], random.getstate())
     spared = (torch.equal(before[0], after[0]) and np.array_equal(before[1], after[1])
               and before[2] == after[2])
     return {"shares": shares, "rng_spared": spared}
+
+
+def _share(shard: Callable, n: int, rank: int, size: int, seed: int, epoch: int) -> list[int]:
+    """The learner's share as plain ints; an index type too small for n said so."""
+    try:
+        return [int(i) for i in shard(n, rank, size, seed=seed, epoch=epoch)]
+    except (RuntimeError, OverflowError) as exc:
+        if n > 32_767 and ("int16" in str(exc) or "overflow" in str(exc)):
+            raise _said(exc, f"n = {n}: {exc}: an index above 32,767 does not fit in int16 "
+                        "(nor above 127 in int8); let randperm keep its int64") from exc
+        raise
 
 
 def sampler_reference(n: int, size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -135,19 +212,20 @@ def gradient_trial(average: Callable, steps: int = 1, lr: float = 0.1,
                    frozen: bool = False) -> dict:
     """Backward on this rank's shard, the learner's ``average(model, comm)``, SGD; repeat.
 
+    The model is the general one (float64, a transposed weight: :func:`make_model`).
     Returns each step's gradients, the final parameters, whether every gradient
     stayed the same tensor (in place), and the communicator calls of each step.
     """
     comm = world()
-    model = make_model(frozen=frozen)
-    x, y = shard_of(make_data(), comm.rank, comm.size)
+    model = make_model(frozen=frozen, general=True)
+    x, y = (t.double() for t in shard_of(make_data(), comm.rank, comm.size))
     out: dict = {"grads": [], "calls": [], "in_place": True}
     for _ in range(steps):
         model.zero_grad(set_to_none=False)
         loss_of(model, x, y).backward()
         before = [p.grad.data_ptr() if p.grad is not None else None for p in model.parameters()]
         counting = CountingComm(comm)
-        average(model, counting)
+        learner_call(average, counting, model)
         out["in_place"] &= before == [p.grad.data_ptr() if p.grad is not None else None
                                       for p in model.parameters()]
         out["grads"].append(grads(model))
@@ -159,8 +237,8 @@ def gradient_trial(average: Callable, steps: int = 1, lr: float = 0.1,
 
 def single_process_sgd(steps: int = 1, lr: float = 0.1, frozen: bool = False) -> dict:
     """The same steps in one process on the whole batch: what averaging must reproduce."""
-    model = make_model(frozen=frozen)
-    x, y = make_data()
+    model = make_model(frozen=frozen, general=True)
+    x, y = (t.double() for t in make_data())
     out: dict = {"grads": []}
     for _ in range(steps):
         model.zero_grad()
@@ -183,6 +261,7 @@ def ring_trial(ring: Callable, n: int, seed: int = 0) -> dict:
     comm.Allreduce(MPI.IN_PLACE, want, op=MPI.SUM)
     counting = CountingComm(comm)
     ring(x, counting)
+    check_left_behind(counting, getattr(ring, "__name__", "the ring"))
     return {"got": x, "want": want, "sends": counting.sends(),
             "collectives": counting.collectives(), "left": (comm.rank - 1) % comm.size,
             "right": (comm.rank + 1) % comm.size}
@@ -193,13 +272,14 @@ def ring_trial(ring: Callable, n: int, seed: int = 0) -> dict:
 def gloo_trial(init: Callable, timeout_s: float) -> dict:
     """Start Gloo with the learner's ``init(comm, timeout_s)``; what it did, and the group.
 
-    While ``init`` runs, every port the operating system hands to a socket bound to
-    port 0 is noted: the port the group meets at must be one of rank 0's. Afterwards
-    the group sums ``arange(4) * (rank + 1)`` once, its store and timeout are read
-    back, and it is destroyed, so the check can run again. A port already in use
-    (a collision: the one thing an OS-chosen port prevents) is said to be one.
+    While ``init`` runs, every port the operating system hands out on request is noted
+    (a socket bound to port 0, or ``dist.TCPStore`` asked for port 0): the port the group
+    meets at must be one of rank 0's. A socket that got its port so and is then *closed*
+    gives the port back, and here another program takes it at once, as one may on a
+    shared machine: the bind-close-rebind race, made to happen every time. Afterwards the
+    group sums ``arange(4) * (rank + 1)`` once, its store and timeout are read back, and
+    it is destroyed, so the check can run again.
     """
-    import socket
 
     import torch.distributed as dist
 
@@ -207,26 +287,27 @@ def gloo_trial(init: Callable, timeout_s: float) -> dict:
     if dist.is_initialized():
         dist.destroy_process_group()
     chosen: list[int] = []
-    bind = socket.socket.bind
-
-    def noting(sock: socket.socket, address: Any) -> None:
-        bind(sock, address)
-        if isinstance(address, tuple) and len(address) >= 2 and address[1] == 0:
-            chosen.append(sock.getsockname()[1])
-
     counting = CountingComm(comm)
-    socket.socket.bind = noting
-    try:
-        where = init(counting, timeout_s)
-    except Exception as e:
-        if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
-            raise OSError(f"{type(e).__name__}: {e}. The port was taken when torch bound it: "
-                          "let the operating system choose it (bind a socket to port 0 on rank "
-                          "0 and read the port it got), then close that socket before "
-                          "init_process_group") from e
-        raise
-    finally:
-        socket.socket.bind = bind
+    with _taking_freed_ports(chosen) as taken, _noting_stores(dist, chosen):
+        try:
+            where = init(counting, timeout_s)
+        except Exception as e:
+            if taken and ("EADDRINUSE" in str(e) or "address already in use" in str(e).lower()):
+                raise OSError(
+                    f"port {taken[0]} was taken between choosing it and listening on it: the "
+                    "socket that got it from the operating system was closed before torch "
+                    "listened on it, and another program (here, the check) took it in between, "
+                    f"as one can on a shared machine ({type(e).__name__}: {str(e)[:120]}). Let "
+                    "the port be chosen by the socket that will listen on it: "
+                    "dist.TCPStore(address, 0, ...) on rank 0 listens on a free port and says "
+                    "which (store.port)") from e
+            if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+                raise OSError(
+                    f"{type(e).__name__}: {str(e)[:160]}: the port was in use when torch "
+                    "listened on it (a socket that got it is still open, or another program "
+                    "holds it). Let the store choose and hold the port: dist.TCPStore(address, "
+                    "0, ...) on rank 0, then store.port") from e
+            raise
     try:
         t = torch.arange(4, dtype=torch.float64) * (comm.rank + 1)
         dist.all_reduce(t)
@@ -242,6 +323,68 @@ def gloo_trial(init: Callable, timeout_s: float) -> dict:
             dist.destroy_process_group()
 
 
+@contextmanager
+def _taking_freed_ports(chosen: list[int]) -> Iterator[list[int]]:
+    """Inside: ports that sockets bind to port 0 get are noted in ``chosen``; when such a
+    socket is closed, a listener of ours takes its address at once (the ports so taken are
+    yielded). Ours close on the way out."""
+    import socket
+
+    bind, close = socket.socket.bind, socket.socket.close
+    given: dict[int, tuple] = {}  # id of a socket that got a port from the OS -> its address
+    squatters: list[socket.socket] = []
+    taken: list[int] = []
+
+    def noting(sock: socket.socket, address: Any) -> None:
+        bind(sock, address)
+        if isinstance(address, tuple) and len(address) >= 2 and address[1] == 0:
+            chosen.append(sock.getsockname()[1])
+            given[id(sock)] = (sock.family, sock.getsockname())
+
+    def taking(sock: socket.socket) -> None:
+        freed = given.pop(id(sock), None) if sock.fileno() >= 0 else None
+        close(sock)
+        if freed is None:
+            return
+        family, address = freed
+        squatter = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            bind(squatter, address)
+            squatter.listen()
+        except OSError:
+            close(squatter)
+            return
+        squatters.append(squatter)
+        taken.append(address[1])
+
+    socket.socket.bind, socket.socket.close = noting, taking
+    try:
+        yield taken
+    finally:
+        socket.socket.bind, socket.socket.close = bind, close
+        for squatter in squatters:
+            squatter.close()
+
+
+@contextmanager
+def _noting_stores(dist: Any, chosen: list[int]) -> Iterator[None]:
+    """Inside: ``dist.TCPStore`` notes in ``chosen`` the port it listens on when asked for
+    port 0 (the operating system's choice, taken by the listener itself)."""
+    real = dist.TCPStore
+
+    def noting(host_name: str, port: int, *args: Any, **kwargs: Any) -> Any:
+        store = real(host_name, port, *args, **kwargs)
+        if port == 0:
+            chosen.append(store.port)
+        return store
+
+    dist.TCPStore = noting
+    try:
+        yield
+    finally:
+        dist.TCPStore = real
+
+
 def gloo_sum_reference(size: int) -> np.ndarray:
     """What all_reduce of arange(4) * (rank + 1) over ``size`` ranks gives."""
     return np.arange(4, dtype=np.float64) * size * (size + 1) / 2
@@ -252,10 +395,14 @@ def gloo_sum_reference(size: int) -> np.ndarray:
 def _bn_model(seed: int, shift: float = 0.0, forwards: int = 1) -> torch.nn.Module:
     """Linear + BatchNorm; ``forwards`` train-mode passes on data shifted by ``shift``."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
+    # the contract's whole range: float64, a weight stored transposed (a copy of it is no
+    # longer the model's memory), a frozen parameter (a broadcast covers it too)
+    model[0].weight = torch.nn.Parameter(model[0].weight.detach().t().contiguous().t())
+    model[0].bias.requires_grad_(False)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(forwards):
-        model(torch.randn(16, 3, generator=gen) + shift)
+        model(torch.randn(16, 3, generator=gen, dtype=torch.float64) + shift)
     return model
 
 
@@ -291,6 +438,7 @@ def broadcast_trial(broadcast: Callable, roots: list[int]) -> list[dict]:
         before, where = params(model), addresses(model)
         counting = CountingComm(comm)
         broadcast(model, counting, root)
+        check_left_behind(counting, getattr(broadcast, "__name__", "the broadcast"))
         out.append({"root": root, "before": before, "after": params(model),
                     "in_place": where == addresses(model), "calls": counting.calls})
     return out
@@ -303,7 +451,16 @@ def counts_only_model(rank: int) -> torch.nn.Module:
     return model
 
 
-SPREAD_CASES = ("diverged", "buffers only", "batch counts only", "identical")
+def nearly_identical_model(rank: int) -> torch.nn.Module:
+    """The same everywhere but one weight, 3e-9 apart between ranks 0 and 1: a spread that
+    a rounded answer (to 6 decimals, or through float32) says is 0."""
+    model = _bn_model(0)
+    with torch.no_grad():
+        model[0].weight[1, 2] += 3e-9 * (rank == 1)
+    return model
+
+
+SPREAD_CASES = ("diverged", "buffers only", "batch counts only", "nearly identical", "identical")
 
 
 def spread_trial(spread: Callable) -> dict:
@@ -312,11 +469,14 @@ def spread_trial(spread: Callable) -> dict:
     models = {"diverged": diverged_model(comm.rank),
               "buffers only": buffers_only_model(comm.rank),
               "batch counts only": counts_only_model(comm.rank),
+              "nearly identical": nearly_identical_model(comm.rank),
               "identical": _bn_model(0)}
     out = {}
     for case, model in models.items():
         before, where = params(model), addresses(model)
-        value = spread(model, CountingComm(comm))
+        counting = CountingComm(comm)
+        value = spread(model, counting)
+        check_left_behind(counting, getattr(spread, "__name__", "max_spread"))
         after = params(model)
         untouched = where == addresses(model) and all(
             torch.equal(a, b) for a, b in zip(before, after, strict=True))
@@ -336,20 +496,33 @@ def spread_reference(states: list[list[torch.Tensor]]) -> float:
 # ---------------------------------------------------------------- 07 periodic averaging
 
 def average_params_trial(average: Callable) -> dict:
-    """Rank-dependent weights before, and after the learner's ``average(model, comm)``."""
+    """Rank-dependent weights before, and after the learner's ``average(model, comm)``.
+
+    The general model (:func:`make_model`), with an integer buffer that differs between
+    ranks (a count of steps, as BatchNorm's ``num_batches_tracked``): parameters are
+    averaged, buffers are not (torch's own parameter averaging takes ``parameters()``;
+    an integer has no average). ``before``/``after``: the parameters only.
+    """
     comm = world()
-    model = make_model(seed=10 + comm.rank)
-    before, where = params(model), addresses(model)
-    average(model, CountingComm(comm))
-    return {"before": before, "after": params(model), "in_place": where == addresses(model)}
+    model = make_model(seed=10 + comm.rank, general=True)
+    model.register_buffer("steps_seen", torch.tensor(7 + comm.rank))
+    before, where = [t.detach().clone() for t in model.parameters()], addresses(model)
+    buffers = [b.clone() for b in model.buffers()]
+    learner_call(average, CountingComm(comm), model)
+    return {"before": before, "after": [t.detach().clone() for t in model.parameters()],
+            "in_place": where == addresses(model),
+            "buffers_kept": all(torch.equal(a, b) for a, b in zip(buffers, model.buffers(),
+                                                                  strict=True))}
 
 
 def local_sgd_trial(local_sgd: Callable, steps: int, period: int, lr: float = 0.1) -> list:
     """Final parameters after the learner's ``local_sgd`` on this rank's shard."""
     comm = world()
-    model = make_model()
-    x, y = shard_of(make_data(), comm.rank, comm.size)
-    local_sgd(model, x, y, CountingComm(comm), steps=steps, period=period, lr=lr)
+    model = make_model(general=True)
+    x, y = (t.double() for t in shard_of(make_data(), comm.rank, comm.size))
+    counting = CountingComm(comm)
+    local_sgd(model, x, y, counting, steps=steps, period=period, lr=lr)
+    check_left_behind(counting, getattr(local_sgd, "__name__", "local_sgd"))
     return params(model)
 
 
@@ -359,8 +532,8 @@ def local_sgd_reference(size: int, steps: int, period: int, lr: float = 0.1) -> 
     Each simulated rank takes plain SGD steps on its shard; after step k·period the
     parameters of all of them are replaced by their mean.
     """
-    models = [make_model() for _ in range(size)]
-    shards = [shard_of(make_data(), r, size) for r in range(size)]
+    models = [make_model(general=True) for _ in range(size)]
+    shards = [tuple(t.double() for t in shard_of(make_data(), r, size)) for r in range(size)]
     for step in range(1, steps + 1):
         for model, (x, y) in zip(models, shards, strict=True):
             model.zero_grad()
@@ -424,6 +597,7 @@ def zero_trial(my_slice: Callable, sharded_step: Callable, steps: int) -> dict:
         grad[:n] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         counting = CountingComm(comm)
         sharded_step(flat, grad, shard, opt, counting)
+        check_left_behind(counting, getattr(sharded_step, "__name__", "sharded_step"))
         out["flat"].append(flat[:n].clone())
         out["calls"].append(counting.calls)
         out["state"].append(sum(v.numel() for st in opt.state.values() for v in st.values()

@@ -81,6 +81,8 @@ class CountingComm:
         self._comm = comm
         self._timeout = timeout
         self.calls: list[Call] = []
+        self.requests: list[Any] = []  # the nonblocking calls' requests handed to the learner
+        self.made: list[tuple[str, Any]] = []  # communicators made from this one, by which call
 
     def __getattr__(self, name: str) -> Any:
         target = getattr(self._comm, name)
@@ -90,12 +92,42 @@ class CountingComm:
         if name in SENDS + RECEIVES + COLLECTIVES:  # nonblocking: record, then call as is
             def recorded(*args: Any, **kwargs: Any) -> Any:
                 self._record(name, args, kwargs)
-                return target(*args, **kwargs)
+                result = target(*args, **kwargs)
+                if isinstance(result, _mpi().Request):
+                    self.requests.append(result)
+                return result
             return recorded
+        if name in MAKERS:
+            def making(*args: Any, **kwargs: Any) -> Any:
+                made = target(*args, **kwargs)
+                self.made.append((name, made))
+                return made
+            return making
         return target
 
     def collectives(self) -> list[Call]:
         return [c for c in self.calls if c.name in COLLECTIVES]
+
+    def left_behind(self, who: str) -> str | None:
+        """What ``who`` (the learner's function, just returned) left behind, in plain words.
+
+        A request never completed (an ``Isend`` nobody waited for: its buffer may still be
+        read, and MPI keeps the request) or a communicator never freed (a ``Dup`` on every
+        call: MPI has a few thousand, so a training loop runs out). None if nothing.
+        """
+        MPI = _mpi()
+        pending = [r for r in self.requests if r != MPI.REQUEST_NULL]
+        if pending:
+            return (f"{who} returned with {len(pending)} nonblocking request(s) never completed "
+                    "(an Isend or Irecv nobody waited for): MPI may still be reading or writing "
+                    "their buffers, and keeps each request until it is waited for; call .Wait() "
+                    "on each (or MPI.Request.Waitall) before returning")
+        alive = [name for name, c in self.made if c != MPI.COMM_NULL]
+        if alive:
+            return (f"{who} returned with {len(alive)} communicator(s) it made (comm.{alive[0]}) "
+                    "still alive: one more on every call, and MPI has only a few thousand, so a "
+                    "training loop runs out; Free() it before returning, or use the comm given")
+        return None
 
     def sends(self) -> list[Call]:
         """Calls that send data to one other rank (receives excluded)."""
@@ -181,6 +213,20 @@ COLLECTIVE_HINT = ("The other ranks never joined it: every rank must call the sa
                    "collectives, in the same order, with the same root.")
 
 
+MAKERS = ("Dup", "Split", "Clone", "Create", "Create_group", "Split_type", "Dup_with_info")
+
+
+class LeftBehind(RuntimeError):
+    """The learner's function returned leaving MPI resources behind (see ``left_behind``)."""
+
+
+def check_left_behind(comm: CountingComm, who: str) -> None:
+    """Raise :class:`LeftBehind` if ``who`` left a request or a communicator behind."""
+    problem = comm.left_behind(who)
+    if problem:
+        raise LeftBehind(problem)
+
+
 def _any(source: int | None, tag: int | None) -> tuple[int, int]:
     """mpi4py's defaults for an omitted source and tag (None here: -1 is PROC_NULL in MPICH)."""
     MPI = _mpi()
@@ -195,8 +241,10 @@ def _send(self: CountingComm, name: str, buf: Any, dest: int, tag: int = 0) -> N
 
 def _isend(self: CountingComm, name: str, buf: Any, dest: int, tag: int = 0) -> Any:
     self._record(name, (buf, dest), {})
-    return _guarded(self._comm.Issend(buf, dest, tag), self._timeout,
-                    f"the Wait for comm.{name} to rank {dest} on rank {self._comm.rank}")
+    request = _guarded(self._comm.Issend(buf, dest, tag), self._timeout,
+                       f"the Wait for comm.{name} to rank {dest} on rank {self._comm.rank}")
+    self.requests.append(request)
+    return request
 
 
 def _recv(self: CountingComm, name: str, buf: Any, source: int | None = None,
@@ -232,8 +280,10 @@ def _send_object(self: CountingComm, name: str, obj: Any, dest: int, tag: int = 
 
 def _isend_object(self: CountingComm, name: str, obj: Any, dest: int, tag: int = 0) -> Any:
     self._record(name, (obj, dest), {})
-    return _guarded(self._comm.issend(obj, dest, tag), self._timeout,
-                    f"the wait for comm.{name} to rank {dest} on rank {self._comm.rank}")
+    request = _guarded(self._comm.issend(obj, dest, tag), self._timeout,
+                       f"the wait for comm.{name} to rank {dest} on rank {self._comm.rank}")
+    self.requests.append(request)
+    return request
 
 
 def _recv_object(self: CountingComm, name: str, buf: Any = None, source: int | None = None,
