@@ -94,3 +94,19 @@ def test_ddp_still_logs_its_buckets_and_names_its_first_bucket_cap(tmp_path):
         assert int(logged["bucket_sizes"]) == 4 * (3 * 2 + 2), logged["bucket_sizes"]
     finally:
         dist.destroy_process_group()
+
+
+def test_the_profiler_still_records_other_threads_ops():
+    import threading
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def add() -> None:
+        torch.ones(3).add_(1)
+
+    with profile(activities=[ProfilerActivity.CPU],
+                 experimental_config=private.profile_all_threads()) as prof:
+        t = threading.Thread(target=add)
+        t.start()
+        t.join()
+    assert any(e.name == "aten::add_" for e in prof.events())

@@ -33,5 +33,7 @@ def test_a_stated_tolerance_decides_one_off_values() -> None:
     assert differs(0.8, 1.0, 0.1).startswith("A is smaller than B: 0.80×")
     # 1.107 against a 10% threshold: no verdict where the digits sit on the threshold
     assert differs(1.107, 1.0, 0.2).startswith("no difference was measured")
+    assert differs(1.3, 1.0, 0.1, ratio=False) == \
+        "A is larger than B: beyond the tolerance of 10%"
     with pytest.raises(ValueError, match="positive tolerance"):
         differs(1.0, 1.0, 0.0)

@@ -72,3 +72,12 @@ def ddp_first_bucket_bytes() -> int:
     import torch.distributed as dist
 
     return dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def profile_all_threads() -> Any:
+    """torch.profiler's configuration that records every thread's ops, not only the
+    caller's: a DDP hook launches its later allreduces from Gloo's callback threads
+    (lesson 08 counts them)."""
+    from torch.profiler import _ExperimentalConfig
+
+    return _ExperimentalConfig(profile_all_threads=True)

@@ -53,18 +53,21 @@ def faster_quartiles(a: Sequence[float], b: Sequence[float],
     return faster(a, b, names, spread="quartile")
 
 
-def differs(a: float, b: float, tolerance: float, names: tuple[str, str] = ("A", "B")) -> str:
+def differs(a: float, b: float, tolerance: float, names: tuple[str, str] = ("A", "B"),
+            ratio: bool = True) -> str:
     """One sentence: whether ``a`` is larger or smaller than ``b`` by more than a stated
     relative ``tolerance`` (0.1: 10%), for one-off values that have no repeats (a loss,
-    a count). Within it: no difference was measured."""
+    a count). Within it: no difference was measured. ``ratio=False`` leaves out a/b, for
+    an output that tests compare (its last digit may differ on another machine)."""
     if tolerance <= 0 or b <= 0:
         raise ValueError(f"need a positive tolerance and a positive reference, got "
                          f"{tolerance} and {b}")
     (x, _), (y, _) = zip(names, (a, b), strict=True)
-    ratio = a / b
-    if ratio > 1 + tolerance:
-        return f"{x} is larger than {y}: {ratio:.2f}×, beyond the tolerance of {tolerance:.0%}"
-    if ratio < 1 - tolerance:
-        return f"{x} is smaller than {y}: {ratio:.2f}×, beyond the tolerance of {tolerance:.0%}"
-    return (f"no difference was measured between {x} and {y}: {ratio:.2f}×, within the "
+    r = a / b
+    said = f"{r:.2f}×, " if ratio else ""
+    if r > 1 + tolerance:
+        return f"{x} is larger than {y}: {said}beyond the tolerance of {tolerance:.0%}"
+    if r < 1 - tolerance:
+        return f"{x} is smaller than {y}: {said}beyond the tolerance of {tolerance:.0%}"
+    return (f"no difference was measured between {x} and {y}: {said}within the "
             f"tolerance of {tolerance:.0%}")
