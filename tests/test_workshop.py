@@ -223,4 +223,5 @@ def test_the_gpu_column_reads_gpu_cells_not_words(tmp_path) -> None:
 
     assert lesson("average_gradients_as_in_the_nccl_snippet(m)  # cuda, gpu") == "no"
     assert lesson('why = unavailable_reason("nccl")').startswith("optional")
+    assert lesson("reason = netns.unavailable_reason()") == "no"  # not a GPU
     assert lesson("rows = stepbench.run_on(mc.view)").startswith("optional")

@@ -42,11 +42,10 @@ PLANS = {"half day": 2, "full day": 4}  # sessions of SESSION_MINUTES
 TARGETS = {"README.md": ("course-table",), "index.ipynb": ("course-index",),
            "INSTRUCTORS.md": ("lesson-needs", "workshop-plans", "troubleshooting")}
 ESTIMATE = "estimated-time"  # the block in each notebook's first cell
-# A cell that can use a GPU names an NCCL backend, asks whether one is usable here
-# (CONTRIBUTING: GPU cells check unavailable_reason), or runs a tool that picks NCCL by
-# itself where every rank has a GPU. Words in names or comments do not count.
-_GPU_CELL = re.compile(r"""["']nccl(?:-cupy)?["']|unavailable_reason\(|"""
-                       r"""stepbench\.run_on\(|trace\.record_step\(""")
+# A cell that can use a GPU names an NCCL backend (and checks unavailable_reason for it,
+# as CONTRIBUTING asks), or runs a tool that picks NCCL by itself where every rank has
+# a GPU. Words in names, comments or sentences about the source do not count.
+_GPU_CELL = re.compile(r"""["']nccl(?:-cupy)?["']|stepbench\.run_on\(|trace\.record_step\(""")
 _BLOCK = re.compile(r"<!-- BEGIN generated: .*?<!-- END generated: [^>]*-->", re.S)
 
 
