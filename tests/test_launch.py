@@ -203,6 +203,17 @@ def test_the_job_ends_when_every_rank_has_reported_its_exit() -> None:
     assert code == 0 and out == "out\n"
 
 
+def test_a_rank_exit_after_an_unended_line_leaves_the_line_and_counts_the_exit() -> None:
+    # A rank that prints with end="" gets the wrapper's marker on the same line: the
+    # rank's text must come back alone (lesson 04 compared ports through it), the exit counted.
+    from pcourse.tools.cluster.launch import run_in_session
+    from pcourse.tools.cluster.rank_exit import RANK_EXIT
+
+    glued = f'printf "127.0.0.1:4631"; echo "{RANK_EXIT} 0"; echo "{RANK_EXIT} 2"; exec sleep 60'
+    out, code = run_in_session(["sh", "-c", glued], timeout=30, ranks=2)
+    assert out == "127.0.0.1:4631\n" and code == 2, (out, code)
+
+
 @pytest.mark.mpi
 def test_a_rank_wrapper_passes_on_exit_codes_and_signals(tmp_path: Path) -> None:
     body = ("import os, signal\nfrom mpi4py import MPI\nr = MPI.COMM_WORLD.rank\n"

@@ -76,3 +76,37 @@ def test_the_default_groups_store_and_timeout_are_read_back(tmp_path):
         assert private.default_group_timeout() == 17
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_ddp_still_logs_its_buckets_and_names_its_first_bucket_cap(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert private.ddp_first_bucket_bytes() == 2**20
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        model = torch.nn.Linear(3, 2)
+        logged = private.ddp_logging_data(DistributedDataParallel(model))
+        # one bucket holding the weight and the bias, 4 bytes per float32 value
+        assert int(logged["bucket_sizes"]) == 4 * (3 * 2 + 2), logged["bucket_sizes"]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_profiler_still_records_other_threads_ops():
+    import threading
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def add() -> None:
+        torch.ones(3).add_(1)
+
+    with profile(activities=[ProfilerActivity.CPU],
+                 experimental_config=private.profile_all_threads()) as prof:
+        t = threading.Thread(target=add)
+        t.start()
+        t.join()
+    assert any(e.name == "aten::add_" for e in prof.events())

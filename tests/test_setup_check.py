@@ -131,6 +131,18 @@ def _hangs(monkeypatch):
                                              "gloo": ok}))
 
 
+def _no_mnist(monkeypatch):
+    import tempfile
+
+    from pcourse.workloads import mnist
+
+    with tempfile.TemporaryDirectory() as empty:  # offline, and no MNIST there
+        monkeypatch.setenv(mnist.ENV_VAR, empty)
+        monkeypatch.setenv(mnist.DOWNLOAD_VAR, "0")
+        problem = setup_check.mnist_problem()
+    return setup_check.print_verdict({b: setup_check.OK for b in setup_check.NEEDED}, problem)
+
+
 SCENARIOS = {
     "no-mpiexec": (_no_mpiexec, []),
     "cluster-failed": (_cluster_fails, ["the engines exited"]),
@@ -140,6 +152,7 @@ SCENARIOS = {
     "allreduce-wrong": (_wrong, ["mpi", "expected 3.0"]),
     "allreduce-hung": (_hangs, ["mpi", f"{setup_check.SMOKE_TIMEOUT:.0f} s"]),
     "not-tested": (_hangs, ["gloo"]),  # hung on mpi: gloo never ran
+    "no-mnist": (_no_mnist, ["t10k-images-idx3-ubyte", "not found"]),
 }
 
 

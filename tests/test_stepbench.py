@@ -91,6 +91,24 @@ def test_ratios_and_the_target_compare_at_the_same_cap() -> None:
     assert (t["met"], t["overlap_paid"]) == (False, False)
 
 
+def test_the_lesson_compares_with_ddp_beyond_the_quartiles_and_prints_no_target(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def timed(path: str, backend: str, cap: int, q: tuple, buckets: int = 2) -> dict:
+        return {**row(path, backend, cap, q[1], buckets), "p25_ms": q[0], "p75_ms": q[2]}
+
+    rows = [timed("bucketed+overlap", "gloo", 2**20, (2.9, 3.0, 3.1)),
+            timed("bucketed", "gloo", 2**20, (3.9, 4.0, 4.2)),
+            timed("DDP", "gloo", 2**20, (4.8, 5.0, 5.3))]
+    stepbench.print_against_ddp(rows)
+    out = capsys.readouterr().out
+    assert "bucketed+overlap is faster than DDP: 0.60×" in out, out
+    assert "bucketed+overlap is faster than bucketed" in out and "target" not in out
+    rows[2].update(p25_ms=3.05, median_ms=3.2)  # the quartiles overlap: no verdict
+    stepbench.print_against_ddp(rows)
+    assert "no difference was measured between bucketed+overlap and DDP" in \
+        capsys.readouterr().out
+
+
 @pytest.mark.parametrize("text, nbytes", [("1", 1), ("64KiB", 65536), ("25MiB", 25 * 2**20),
                                           ("0.5mib", 2**19), ("300B", 300)])
 def test_caps_are_read_with_units(text: str, nbytes: int) -> None:

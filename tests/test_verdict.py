@@ -1,8 +1,15 @@
 """A comparison printed to a learner decides only beyond the spread of its repeats."""
 
+import ast
+import re
+from pathlib import Path
+
+import nbformat
 import pytest
 
-from pcourse.utils.verdict import faster
+from pcourse.tools.workshop import course
+from pcourse.tools.workshop.outputs import notebook_code
+from pcourse.utils.verdict import differs, faster, faster_quartiles, smaller
 
 
 def test_decides_only_when_every_repeat_is_on_one_side() -> None:
@@ -15,6 +22,28 @@ def test_decides_only_when_every_repeat_is_on_one_side() -> None:
 def test_needs_a_spread() -> None:
     with pytest.raises(ValueError, match="at least two repeats"):
         faster([1.0], [2.0, 3.0])
+
+
+def test_quartiles_decide_only_when_the_interquartile_ranges_are_apart() -> None:
+    said = faster_quartiles((1.0, 1.1, 1.2), (1.5, 1.6, 1.8), ("ours", "DDP"))
+    assert said.startswith("ours is faster than DDP: 0.69×") and "every quartile" in said
+    said = faster_quartiles((1.0, 1.1, 1.6), (1.5, 1.6, 1.8), ("ours", "DDP"))
+    assert said.startswith("no difference was measured between ours and DDP"), said
+    with pytest.raises(ValueError, match="p25, median, p75"):
+        faster_quartiles((1.2, 1.1, 1.0), (1.5, 1.6, 1.8))
+
+
+def test_a_stated_tolerance_decides_one_off_values() -> None:
+    assert smaller([1, 2], [3, 4]) == -1 and smaller([3, 4], [1, 2]) == 1
+    assert smaller([1, 3], [2, 4]) == 0
+    assert differs(1.2, 1.0, 0.1, ("k=16", "k=4")).startswith("k=16 is larger than k=4: 1.20×")
+    assert differs(0.8, 1.0, 0.1).startswith("A is smaller than B: 0.80×")
+    # 1.107 against a 10% threshold: no verdict where the digits sit on the threshold
+    assert differs(1.107, 1.0, 0.2).startswith("no difference was measured")
+    assert differs(1.3, 1.0, 0.1, ratio=False) == \
+        "A is larger than B: beyond the tolerance of 10%"
+    with pytest.raises(ValueError, match="positive tolerance"):
+        differs(1.0, 1.0, 0.0)
 
 
 # ---------------------------------------------------------------- verdicts that bypass it
@@ -33,14 +62,6 @@ def test_needs_a_spread() -> None:
 # is a bypass unless it calls pcourse.utils.verdict, or is an exact claim marked on its
 # line (or the line above) ``# exact: why`` (bytes counted, bitwise equality).
 
-import ast  # noqa: E402
-import re  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import nbformat  # noqa: E402
-
-from pcourse.tools.workshop import course  # noqa: E402
-from pcourse.tools.workshop.outputs import notebook_code  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # ("slowest" is not one: "the slowest rank's time" names a measurement, not a winner)
@@ -123,8 +144,10 @@ class _Lesson:
                 for a in node.args:
                     parts += self.verdict_parts(a, seen)
             return parts
-        if isinstance(node, ast.GeneratorExp | ast.ListComp):
-            return self.verdict_parts(node.elt, seen)
+        if isinstance(node, ast.GeneratorExp | ast.ListComp):  # a filter can hold the verdict
+            return self.verdict_parts(node.elt, seen) + [
+                c for g in node.generators for cond in g.ifs for c in ast.walk(cond)
+                if isinstance(c, ast.Call) and self._is_helper(c, self.helpers)]
         if isinstance(node, ast.Name):
             if node.id in seen:
                 return []
@@ -210,16 +233,3 @@ def test_the_verdict_rule_catches_what_it_is_for(tmp_path):
                  "# exact: counted, not timed\nprint('fewer messages:', n < m)",
                  "print('identical:', a == b, 'small:', b < dist._DEFAULT_CAP + c)",
                  "%%px\nprint('ranks', r)") == []
-
-
-def test_summarised_timings_decide_only_beyond_their_spreads() -> None:
-    from pcourse.utils.verdict import faster_by_spread
-
-    assert faster_by_spread((1.0, 0.1), (2.0, 0.1), ("A", "B")).startswith(
-        "A is faster than B: 0.50×")
-    assert faster_by_spread((2.0, 0.1), (1.0, 0.1), ("A", "B")).startswith(
-        "B is faster than A: 0.50×")
-    said = faster_by_spread((1.0, 0.2), (1.7, 0.2), ("A", "B"))  # 0.7 < 2 × 0.4
-    assert said.startswith("no difference was measured between A and B"), said
-    with pytest.raises(ValueError, match="positive"):
-        faster_by_spread((1.0, -0.1), (1.0, 0.1))

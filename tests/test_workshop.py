@@ -208,3 +208,20 @@ def test_timing_script_refuses_an_unknown_notebook(tmp_path):
 def test_course_entries_refuse_an_unknown_folder():
     with pytest.raises(ValueError, match="unknown folder"):
         course.entries("lessons")
+
+
+def test_the_gpu_column_reads_gpu_cells_not_words(tmp_path) -> None:
+    """Lesson 01 names the NCCL snippet in a function's name and has no GPU cell; lesson
+    07's step benchmark picks NCCL by itself where every rank has a GPU."""
+    import nbformat
+
+    def lesson(*code: str):
+        path = tmp_path / "n.ipynb"
+        nbformat.write(nbformat.v4.new_notebook(
+            cells=[nbformat.v4.new_code_cell(c) for c in code]), path)
+        return render._needs_gpu(tmp_path, path.relative_to(tmp_path))
+
+    assert lesson("average_gradients_as_in_the_nccl_snippet(m)  # cuda, gpu") == "no"
+    assert lesson('why = unavailable_reason("nccl")').startswith("optional")
+    assert lesson("reason = netns.unavailable_reason()") == "no"  # not a GPU
+    assert lesson("rows = stepbench.run_on(mc.view)").startswith("optional")

@@ -20,8 +20,12 @@ Exact averaging sends every gradient as float32. Two ways to send less (lesson 0
 
 Both work on a ``torch.distributed`` group — a pcourse torch backend's ``group`` — as
 DDP's communication hooks do, so :func:`compare` runs them beside DDP's own
-``fp16_compress_hook`` and ``powerSGD_hook`` on the same Gloo group (DDP's
-``bf16_compress_hook`` refuses any group but NCCL's).
+``fp16_compress_hook`` and ``powerSGD_hook`` on the same Gloo group. DDP's
+``bf16_compress_hook`` is left out: it casts and calls ``all_reduce``, and Gloo cannot
+allreduce bfloat16 (ours can run on Gloo because all-to-all and all-gather only move
+bytes; the sums are taken in float32). DDP's bytes are read from DDP: the allreduces
+its hook really ran, as torch's profiler records them (:func:`allreduce_bytes_seen`),
+never computed with our formula.
 """
 
 from __future__ import annotations
@@ -169,30 +173,58 @@ def _ours(method: str, model: nn.Module, group: Any) -> Any:
 
 
 def _ddp(method: str, model: nn.Module, group: Any) -> Any:
-    """(DDP model, bytes per step) with DDP's own hook for ``method``; the bytes by the
-    formula of ours, which compresses the same tensors (a test checks ours counts them)."""
+    """(DDP model, None) with DDP's own hook for ``method``: DDP averages in backward,
+    and :func:`compare` reads the bytes it sent from the profiler.
+
+    DDP's PowerSGD runs plain allreduces for its first ``start_powerSGD_iter`` = 2
+    steps (DDP requires more than 1 with error feedback or warm start), where ours
+    compresses from the first step: lesson 08 says so beside the comparison."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ddp = DDP(model, process_group=group)
-    p = dist.get_world_size(group)
-    n = sum(q.numel() for q in model.parameters() if q.requires_grad)
     if method == "fp16":  # divides by p, casts, allreduces in float16; no scale
         ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
-        return ddp, lambda: ring_bytes(n, 2, p)
     if method.startswith("PowerSGD"):
         r = int(method.split("=")[1])
         state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=r,
                                    start_powerSGD_iter=2, min_compression_rate=2.0,
                                    use_error_feedback=True, warm_start=True, random_seed=0)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
-        numbers = PowerSGD(list(model.parameters()), group, rank=r).numbers_sent()
-        return ddp, lambda: ring_bytes(numbers, 4, p)
-    return ddp, lambda: ring_bytes(n, 4, p)
+    return ddp, None
 
 
 DDP_METHODS = ("float32", "fp16", *(f"PowerSGD r={r}" for r in RANKS))
+_ITEMSIZE = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2}  # the profiler's names
+
+
+def allreduce_bytes_seen(fn: Any, p: int) -> tuple[Any, float]:
+    """Run ``fn()`` under torch's profiler; return its result and the bytes one rank
+    sends in the allreduces that ran meanwhile, each counted as a ring's (lesson 03).
+
+    The messages are the process group's own record (``gloo:all_reduce``, with the
+    tensor's shape and dtype), so what a library's hook sends is read from the
+    library, not from a formula of ours.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from pcourse.runtime.private import profile_all_threads
+
+    # Every thread: DDP's PowerSGD launches its P and Q allreduces from callbacks.
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                 experimental_config=profile_all_threads()) as prof:
+        out = fn()
+    by_size: dict[int, int] = {}
+    for e in prof.events():
+        if e.name.endswith(":all_reduce"):
+            (shape, *_), (dtype, *_) = e.input_shapes, e.input_dtypes
+            if dtype not in _ITEMSIZE:
+                raise ValueError(f"an allreduce of {dtype}, which this count does not know; "
+                                 f"add its bytes per item to _ITEMSIZE")
+            size = _ITEMSIZE[dtype]
+            by_size[size] = by_size.get(size, 0) + math.prod(shape)
+    return out, sum(ring_bytes(n, size, p) for size, n in sorted(by_size.items()))
 
 
 def compare(steps: int = 200, config: Any = None, lr: float = 1e-2, seed: int = 0
@@ -201,7 +233,8 @@ def compare(steps: int = 200, config: Any = None, lr: float = 1e-2, seed: int = 
     method, ours and DDP's hooks, from the same weights on the same batches (drawn
     with ``seed``: another seed, another order of batches, for a spread).
 
-    Collective. One row per (who, method): bytes one rank sends per step, the median
+    Collective. One row per (who, method): bytes one rank sent in the last step (ours:
+    as each method counts them; DDP: its hook's allreduces, read by the profiler), the median
     step (the slowest rank's), the loss on the whole training set at the end, and the
     global batch's loss at every step.
     """
@@ -226,8 +259,13 @@ def compare(steps: int = 200, config: Any = None, lr: float = 1e-2, seed: int = 
                 start = time.perf_counter()
                 opt.zero_grad()
                 loss = wl.loss_sum(model, batch[me::p], 0) / len(batch[me::p])
-                loss.backward()
-                sent = average()  # ours: averages now; DDP: averaged in backward
+                if average is not None:
+                    loss.backward()
+                    sent = average()  # ours: averages now, says what it sent
+                elif k == steps - 1:  # DDP averages in backward: its last step's messages
+                    _, sent = allreduce_bytes_seen(loss.backward, p)
+                else:
+                    loss.backward()
                 opt.step()
                 times[k] = time.perf_counter() - start
                 losses[k] = loss.detach()

@@ -41,19 +41,25 @@ class HogwildResult:
     updates: int  # SGD steps taken by all workers together
     initial_loss: float  # test MSE
     final_loss: float
-    seconds: float
+    seconds: float  # wall time, starting the worker processes included
+    loop_seconds: float  # from the first worker's first step to the last one's end
     worker_losses: torch.Tensor  # (workers, steps): each worker's training loss per step
 
 
 def _worker(w: int, workers: int, model: nn.Module, losses: torch.Tensor,
-            setup: Setup) -> None:
-    """One Hogwild worker: SGD on its own shard, writing into the shared weights."""
+            setup: Setup, spans: torch.Tensor) -> None:
+    """One Hogwild worker: SGD on its own shard, writing into the shared weights.
+
+    ``spans[w]``: when its loop began and ended (time.monotonic, one clock for every
+    process of the machine), so the updates can be timed without the start-up."""
     torch.set_num_threads(1)  # the workers themselves are the parallelism
     x, y, _, _ = make_problem(setup)
+    spans[w, 0] = time.monotonic()
     for step in range(setup.steps):
         idx = batch_indices(step, w, workers, setup)
         # Gradients are private to this process; the update lands in shared memory, unlocked.
         losses[w, step] = sgd_step(model, x[idx], y[idx], setup.lr)
+    spans[w, 1] = time.monotonic()
 
 
 def _test_loss(model: nn.Module, setup: Setup) -> float:
@@ -82,10 +88,11 @@ def hogwild(workers: int, setup: Setup, timeout: float = 120.0) -> HogwildResult
     model = new_model(setup)
     model.share_memory()
     losses = torch.full((workers, setup.steps), float("nan")).share_memory_()
+    spans = torch.zeros(workers, 2, dtype=torch.float64).share_memory_()
     initial = _test_loss(model, setup)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(w, workers, model, losses, setup), daemon=True)
-             for w in range(workers)]
+    procs = [ctx.Process(target=_worker, args=(w, workers, model, losses, setup, spans),
+                         daemon=True) for w in range(workers)]
     start = time.perf_counter()
     try:
         for p in procs:
@@ -105,15 +112,22 @@ def hogwild(workers: int, setup: Setup, timeout: float = 120.0) -> HogwildResult
         raise HogwildError(f"workers exited with codes {failed} (worker: code); "
                            "their tracebacks are on stderr above")
     return HogwildResult(workers, workers * setup.steps, initial, _test_loss(model, setup),
-                         seconds, losses.clone())
+                         seconds, (spans[:, 1].max() - spans[:, 0].min()).item(), losses.clone())
 
 
 def serial(setup: Setup, steps: int) -> float:
     """Test MSE after ``steps`` plain SGD steps in one process: Hogwild's reference."""
+    return serial_timed(setup, steps)[0]
+
+
+def serial_timed(setup: Setup, steps: int) -> tuple[float, float]:
+    """:func:`serial`, and the seconds its loop took (timed as a worker's loop is)."""
     x, y, _, _ = make_problem(setup)
     model = new_model(setup)
     with threads(1):
+        start = time.monotonic()
         for step in range(steps):
             idx = batch_indices(step, 0, 1, setup)
             sgd_step(model, x[idx], y[idx], setup.lr)
-    return _test_loss(model, setup)
+        seconds = time.monotonic() - start
+    return _test_loss(model, setup), seconds

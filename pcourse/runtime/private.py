@@ -1,7 +1,8 @@
 """The private names of the libraries under the course, read in one place.
 
 Interrupting engines, the grader's look at a learner's process group, and the MPI
-backend's question whether MPI has a float16 reach into a few names that ipyparallel,
+backend's question whether MPI has a float16, and lesson 07's look at DDP's buckets,
+reach into a few names that ipyparallel,
 ipykernel, torch and mpi4py do not promise to keep.
 Each is read here, by a function named for what it gives, so that a release that
 renames one breaks one function; ``tests/test_private.py`` checks every one against
@@ -57,3 +58,26 @@ def default_group_timeout(device: str = "cpu") -> float:
 
     group = dist.distributed_c10d._get_default_group()
     return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+
+
+def ddp_logging_data(ddp: Any) -> dict:
+    """What a DistributedDataParallel module logs about itself: its bucket sizes before
+    (``bucket_sizes``) and after its rebuild (``rebuilt_bucket_sizes``), among others
+    (lesson 07 reads DDP's buckets from DDP itself)."""
+    return ddp._get_ddp_logging_data()
+
+
+def ddp_first_bucket_bytes() -> int:
+    """The cap of DDP's first bucket when ``bucket_cap_mb`` is None (torch: 1 MiB)."""
+    import torch.distributed as dist
+
+    return dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def profile_all_threads() -> Any:
+    """torch.profiler's configuration that records every thread's ops, not only the
+    caller's: a DDP hook launches its later allreduces from Gloo's callback threads
+    (lesson 08 counts them)."""
+    from torch.profiler import _ExperimentalConfig
+
+    return _ExperimentalConfig(profile_all_threads=True)

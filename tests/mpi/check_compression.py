@@ -126,6 +126,13 @@ def check_compare(group) -> None:
         expect(0 <= b["ours", "bf16"] - b["DDP", "fp16"] < 4 * SIZE
                and b["DDP", "fp16"] == b["DDP", "float32"] / 2, f"16-bit bytes: {b}")
         expect(b["ours", "PowerSGD r=2"] == b["DDP", "PowerSGD r=2"], "PowerSGD bytes differ")
+        # DDP's bytes are its hook's real allreduces: float32's are every parameter once
+        from pcourse.workloads import make_workload
+
+        n = sum(q.numel() for q in make_workload("franke", FrankeConfig.quick()).model.parameters())
+        expect(b["DDP", "float32"] == C.ring_bytes(n, 4, SIZE), f"DDP's float32 bytes: {b}")
+        expect(b["DDP", "PowerSGD r=1"] < b["DDP", "PowerSGD r=4"] < b["DDP", "fp16"],
+               f"DDP's bytes out of order: {b}")
 
 
 def main() -> int:

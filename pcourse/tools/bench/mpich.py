@@ -91,13 +91,13 @@ def print_table(cells: list[dict]) -> None:
     from pcourse.tools.bench.commreport import human
 
     runs = list(RUNS)
-    print("median latency, µs (MPI_Allreduce in place, float32 sum); ring = the course's "
-          "Python ring, same job as 'auto'")
+    print("median latency, µs (MPI_Allreduce in place, float32 sum); ring: MPICH's ring, "
+          "forced; py ring: the course's Python ring, same job as 'auto'")
     print(f"{'size':>9}" + "".join(f"{SHORT.get(r, r):>14}" for r in runs)
-          + f"{'ring':>10}{'ring / auto':>12}  closest forced to auto")
+          + f"{'py ring':>10}{'py ring / auto':>15}  closest forced to auto")
     for c in cells:
         print(f"{human(c['bytes']):>9}" + "".join(f"{c.get(r, float('nan')):>14.1f}" for r in runs)
-              + f"{c.get('ring (auto)', float('nan')):>10.1f}{c['ring / auto']:>12.2f}  "
+              + f"{c.get('ring (auto)', float('nan')):>10.1f}{c['ring / auto']:>15.2f}  "
               f"{c['closest']}")
 
 

@@ -387,7 +387,10 @@ def targets(rows: list[dict]) -> list[dict]:
 
 
 def print_targets(rows: list[dict]) -> None:
-    """One line per workload and rank count: the target of issue 24, met or not."""
+    """One line per workload and rank count: the target of issue 24, met or not.
+
+    A development target, for the command line's report; lesson 07 prints
+    :func:`print_against_ddp` instead, a comparison with its margin."""
     for t in targets(rows):
         verdict = "met" if t["met"] else "NOT met"
         print(f"target {t['workload']} x{t['ranks']} on {t['backend']}: bucketed+overlap at "
@@ -402,6 +405,33 @@ def print_targets(rows: list[dict]) -> None:
                     "communication was not hidden")
             print(f"  at that cap {said}; lesson 07's trace of one step shows where the "
                   "time goes")
+
+
+def print_against_ddp(rows: list[dict]) -> None:
+    """Lesson 07's comparison: per workload and rank count, bucketed+overlap at its best
+    cap against DDP at that same cap, on the same backend, decided only beyond the
+    interquartile ranges (:func:`pcourse.utils.verdict.faster_quartiles`), and what
+    overlap could do at that cap."""
+    from pcourse.utils.verdict import faster_quartiles
+
+    def quartiles(r: dict) -> tuple[float, float, float]:
+        return r["p25_ms"], r["median_ms"], r["p75_ms"]
+
+    for t in targets(rows):
+        pick = {r["path"]: r for r in rows if (r["workload"], r["ranks"], r["bucket_cap"])
+                == (t["workload"], t["ranks"], t["cap"]) and r["backend"] == t["backend"]}
+        said = faster_quartiles(quartiles(pick["bucketed+overlap"]), quartiles(pick["DDP"]),
+                                ("bucketed+overlap", "DDP"))
+        print(f"{t['workload']} x{t['ranks']} on {t['backend']}, at the reducer's best cap "
+              f"({human(t['cap'])}, {t['buckets']} bucket{'s' * (t['buckets'] != 1)}): {said}")
+        if t["buckets"] == 1:
+            print("  at that cap there is one bucket: it can only start when backward has "
+                  "ended, nothing to overlap")
+        elif "bucketed" in pick:
+            print("  overlap against the same buckets reduced after backward: "
+                  + faster_quartiles(quartiles(pick["bucketed+overlap"]),
+                                     quartiles(pick["bucketed"]),
+                                     ("bucketed+overlap", "bucketed")))
 
 
 def report(rows: list[dict], out: str) -> None:

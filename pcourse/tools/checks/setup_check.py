@@ -73,6 +73,13 @@ REASONS = {r.code: r for r in (
            "The engines cannot reach each other, or the machine is overloaded. Close "
            "other heavy programs; for gloo, start JupyterLab with "
            "`GLOO_SOCKET_IFNAME=lo make lab`. Restart the kernel and run the check again."),
+    Reason("no-mnist", "MNIST's test split, which lessons 06 and 07 train on, cannot be "
+           "read: {error}",
+           "With a network, run the check again: it downloads the four files into "
+           "~/.cache/pcourse/mnist. Offline, copy `t10k-images-idx3-ubyte.gz` and "
+           "`t10k-labels-idx1-ubyte.gz` into a folder and start JupyterLab with "
+           "`PCOURSE_MNIST_DIR=that/folder make lab` (`make lab` already points it at "
+           "`../shared/data/mnist` where that exists)."),
     Reason("not-tested", "the {backend} backend was not tested: the engines were stuck in "
            "an earlier backend",
            "Fix the backend that hung first (see allreduce-hung), restart the kernel, and "
@@ -208,16 +215,35 @@ def run(n: int = 2) -> bool:
         stop_cluster(mc)
     for name, verdict in verdicts.items():
         print(f"allreduce over {name:<11} {verdict}")
-    return print_verdict(verdicts)
+    mnist = mnist_problem()
+    print(f"MNIST's test split (lessons 06, 07): {OK if mnist is None else 'cannot be read'}")
+    return print_verdict(verdicts, mnist)
 
 
-def print_verdict(verdicts: dict[str, str]) -> bool:
-    """READY when the MPI and Gloo backends pass the smoke test, else why not.
+def mnist_problem() -> str | None:
+    """Why MNIST's test split cannot be read here (None: it can).
 
-    Those two are what every lesson needs; the NCCL backends are a bonus that the
+    Read as lesson 06 reads it ($PCOURSE_MNIST_DIR, the cache, a download where
+    allowed), so READY means lesson 06 will find it too. The folder is not printed:
+    a stored output must not hold this machine's paths.
+    """
+    from pcourse.workloads.mnist import read_mnist
+
+    try:
+        read_mnist("test")
+    except Exception as exc:  # noqa: BLE001 - any failure means lesson 06 stops too
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def print_verdict(verdicts: dict[str, str], mnist: str | None = None) -> bool:
+    """READY when the MPI and Gloo backends pass the smoke test and MNIST can be read,
+    else why not.
+
+    Those are what every lesson needs; the NCCL backends are a bonus that the
     table above reports. The line is the same on every ready machine, so nbval can
     check it. ``verdicts`` are :func:`smoke_test`'s; a needed backend missing from them
-    was not usable here.
+    was not usable here. ``mnist``: :func:`mnist_problem`'s answer.
     """
     problems = [b for b in NEEDED if verdicts.get(b) != OK]
     for backend in problems:
@@ -233,7 +259,9 @@ def print_verdict(verdicts: dict[str, str]) -> bool:
             not_ready("not-tested", backend=backend)
         else:
             not_ready("allreduce-failed", backend=backend, error=detail or verdict)
-    if problems:
+    if mnist is not None:
+        not_ready("no-mnist", error=mnist)
+    if problems or mnist is not None:
         return False
     print("READY")
     return True

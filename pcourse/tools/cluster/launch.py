@@ -433,11 +433,16 @@ def _collect(proc: subprocess.Popen, timeout: float, echo: Callable[[str], objec
 
     def pump() -> None:
         for line in proc.stdout:
-            if line.startswith(RANK_EXIT):
-                codes.append(int(line.split()[-1]))
+            # A rank whose output did not end its last line (print(..., end="")) gets
+            # the marker glued to it: the rank's text is kept, on a line of its own.
+            said, marker, code = line.partition(RANK_EXIT)
+            if marker:
+                codes.append(int(code.split()[0]))
                 if ranks is not None and len(codes) >= ranks:
                     all_exited.set()
-                continue
+                if not said:
+                    continue
+                line = said + "\n"
             lines.append(line)
             if echo is not None:
                 echo(line.rstrip("\n"))

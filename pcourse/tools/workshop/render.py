@@ -42,7 +42,10 @@ PLANS = {"half day": 2, "full day": 4}  # sessions of SESSION_MINUTES
 TARGETS = {"README.md": ("course-table",), "index.ipynb": ("course-index",),
            "INSTRUCTORS.md": ("lesson-needs", "workshop-plans", "troubleshooting")}
 ESTIMATE = "estimated-time"  # the block in each notebook's first cell
-_GPU_WORDS = re.compile(r"nccl|cuda|gpu", re.I)
+# A cell that can use a GPU names an NCCL backend (and checks unavailable_reason for it,
+# as CONTRIBUTING asks), or runs a tool that picks NCCL by itself where every rank has
+# a GPU. Words in names, comments or sentences about the source do not count.
+_GPU_CELL = re.compile(r"""["']nccl(?:-cupy)?["']|stepbench\.run_on\(|trace\.record_step\(""")
 _BLOCK = re.compile(r"<!-- BEGIN generated: .*?<!-- END generated: [^>]*-->", re.S)
 
 
@@ -110,7 +113,7 @@ def _words(root: Path, path: Path) -> int:
 def _needs_gpu(root: Path, path: Path) -> str:
     nb = nbformat.read(root / path, as_version=4)
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
-    return "optional: its NCCL / GPU cells" if _GPU_WORDS.search(code) else "no"
+    return "optional: its NCCL / GPU cells" if _GPU_CELL.search(code) else "no"
 
 
 def engines_started(root: Path, path: Path, full: bool) -> list[int | None]:
