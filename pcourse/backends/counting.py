@@ -7,19 +7,11 @@ from this rank, by collective. The ring's figures are lesson 03's, read from
 :func:`pcourse.collectives.half_cost_terms` (a reduce-scatter or an all-gather, one
 half each: (p-1)/p), never derived again here. Lesson 10 counts ZeRO's and FSDP's
 messages with it.
-
-:func:`handed_to_torch` counts the other side: what a library's own code (DDP's
-communication hooks) hands to ``torch.distributed.all_reduce``, so that a lesson that
-sets ours beside a library's reads the library's messages from the library, never
-from a formula of ours (lesson 08's PowerSGD).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pcourse.backends.base import Backend, Work
 from pcourse.collectives import cost_terms, half_cost_terms
@@ -28,7 +20,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = ["CountingBackend", "HandedToTorch", "handed_to_torch"]
+__all__ = ["CountingBackend"]
 
 
 class CountingBackend(Backend):
@@ -116,57 +108,3 @@ class CountingBackend(Backend):
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-class HandedToTorch:
-    """The tensors handed to ``torch.distributed.all_reduce`` on one group while
-    :func:`handed_to_torch` watched: one (numbers, bytes) per call, in call order."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[int, int]] = []
-        self._lock = threading.Lock()  # a hook's callbacks may run on torch's threads
-
-    def add(self, tensor: torch.Tensor) -> None:
-        with self._lock:
-            self.calls.append((tensor.numel(), _nbytes(tensor)))
-
-    @property
-    def numbers(self) -> int:
-        return sum(n for n, _ in self.calls)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b for _, b in self.calls)
-
-    def reset(self) -> None:
-        with self._lock:
-            self.calls = []
-
-
-@contextmanager
-def handed_to_torch(group: Any = None) -> Iterator[HandedToTorch]:
-    """Within the block, record every tensor any code hands to
-    ``torch.distributed.all_reduce`` on ``group`` (None: on any group), then pass it on
-    unchanged.
-
-    DDP's communication hooks (``fp16_compress_hook``, ``powerSGD_hook``) send through
-    that function, from backward and from the futures' callbacks, which may run after
-    the hook returned: keep the block open until the step's gradients are synchronised
-    (``optimizer.step()`` after ``backward()`` is enough). Not re-entrant.
-    """
-    import torch.distributed as dist
-
-    real = dist.all_reduce
-    handed = HandedToTorch()
-
-    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        on = kwargs.get("group", args[1] if len(args) > 1 else None)
-        if group is None or on is group:
-            handed.add(tensor)
-        return real(tensor, *args, **kwargs)
-
-    dist.all_reduce = all_reduce
-    try:
-        yield handed
-    finally:
-        dist.all_reduce = real
