@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,10 @@ from pcourse.tools.cluster.reaping import owner_alive
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
 IFNAMES = ("veth-a", "veth-b")
 KILL_MARGIN = 8.0  # seconds past the rendezvous timeout before a rank is killed
+# Seconds a rank may take to start (Python and torch imported) before the rendezvous
+# timeout starts counting: on a loaded machine the imports alone can outlast a short one.
+STARTUP = 120.0
+STARTED = "pcourse-netns-started"  # what a rank prints once it is ready to rendezvous
 PORT = 29500  # free by construction: nothing else lives in a namespace we just made
 _NAME = re.compile(r"^pc-[ab]-(\d+)$")  # pc-a-<pid>: ours, and whose
 
@@ -154,12 +159,29 @@ def run_allreduce(nodes: Nodes, ifnames: Sequence[str] | None = None, timeout: f
                 procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT, text=True,
                                               start_new_session=True))
-            deadline = time.monotonic() + timeout + KILL_MARGIN  # one deadline for both ranks
-            outputs = [_collect(p, deadline) for p in procs]
+            # One deadline for both ranks, counted from when the later one has started.
+            started = [_started(p, time.monotonic() + STARTUP) for p in procs]
+            deadline = time.monotonic() + timeout + KILL_MARGIN
+            outputs = [head + _collect(p, deadline) for p, head in zip(procs, started, strict=True)]
         finally:
             for p in procs:
                 kill_group(p)
     return [_outcome(r, nodes.names[r], ifnames[r], out) for r, out in enumerate(outputs)]
+
+
+def _started(proc: subprocess.Popen, deadline: float) -> str:
+    """Read ``proc``'s output until it says it has started, it ends, or the deadline;
+    return what it printed (an import error, for the outcome), the mark left out.
+    Raw reads of the pipe: a buffered reader could hold the mark where select cannot see."""
+    fd, got, mark = proc.stdout.fileno(), b"", STARTED.encode()
+    while mark not in got and time.monotonic() < deadline:
+        if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        got += chunk
+    return got.decode(errors="replace").replace(STARTED + "\n", "", 1)
 
 
 def _collect(proc: subprocess.Popen, deadline: float) -> str:
@@ -210,6 +232,7 @@ def _rank_main() -> None:
 
     rank, start = int(os.environ["RANK"]), time.monotonic()
     timeout = float(os.environ.get("PCOURSE_NETNS_TIMEOUT", "20"))
+    print(STARTED, flush=True)  # the parent's deadline for the rendezvous starts now
     try:
         dist.init_process_group("gloo", init_method="env://",
                                 timeout=timedelta(seconds=timeout))
