@@ -172,7 +172,8 @@ def view(extra: Sequence[Path] = ()) -> list[str]:
 
 def parents(paths: Sequence[Path]) -> list[str]:
     """Folders on the way to ``paths``, made searchable (bubblewrap makes them 0700 as root)."""
-    found = {a for p in paths for a in Path(p).parents if a != Path("/")}
+    mounted = {Path("/"), Path("/tmp"), Path("/dev"), Path("/dev/shm")}  # the jail's own
+    found = {a for p in paths for a in Path(p).parents if a not in mounted}
     return [arg for a in sorted(found, key=lambda a: len(a.parts))
             for arg in ("--perms", "0755", "--dir", str(a))]
 
