@@ -18,13 +18,15 @@ decided, so a grader that dies halfway loses no finished row.
 A notebook is never trusted (:mod:`pcourse.tools.grading.submission`): its check cells and
 their expected outputs come from solutions/, only the learner's cells from the file.
 A file that is not a notebook, is missing or renamed, whose cells were moved or whose
-code reaches for the checks gets a row saying so and is not run. The rest run on a
-few workers, each reusing one engine cluster (:mod:`pcourse.tools.grading.runner`), with a
-time limit per notebook; a notebook that hangs, kills its kernel or an engine gets
-a row saying so, and the others are graded all the same. The learner's code runs on
-the engines only, in a PID namespace of their own where the machine allows it (a
-row run without one says so): it cannot signal the grader, its kernels or another
-learner's engines.
+code reaches for the checks gets a row saying so and is not run; so does a file that
+is not a regular file, is a link, or is too large (:func:`submission.load`). The rest
+run on a few workers, with a fresh engine cluster per learner
+(:mod:`pcourse.tools.grading.runner`) and a time limit per notebook; a notebook that
+hangs, kills its kernel or an engine gets a row saying so, and the others are graded
+all the same. The learner's code runs on the engines only, in the jail of
+:mod:`pcourse.tools.grading.sandbox` (a row graded without it says so): as nobody, in
+namespaces of its own, it cannot signal the grader, its kernels or another learner's
+engines, nor read or write anything of theirs.
 
 A notebook's file name says which exercise it is, in both modes alike
 (:func:`exercise_of`): ``02_average_gradients.ipynb``, or
