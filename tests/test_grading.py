@@ -697,3 +697,34 @@ def test_every_file_in_a_learners_folder_gets_its_own_row(tmp_path):
     assert rows["gamer", NAMES[0]]["status"] == "invalid"  # still a learner of the class
     assert "?" in rows["caf\ufffd", NAMES[1]]["first_failure"] or \
         rows["caf\ufffd", NAMES[1]]["status"] == "missing"
+
+
+def test_the_jail_holds_without_engines(tmp_path):
+    """What any process in the jail is and may do (a second: no engines, no MPI)."""
+    import subprocess
+
+    from pcourse.tools.grading import sandbox
+
+    _jailed()
+    jail = sandbox.jail(_mkdir(tmp_path / "cluster"))
+    sockets = tmp_path / "cluster" / "sockets"
+    script = (
+        'id -u; grep -E "^(CapEff|NoNewPrivs|Seccomp):" /proc/self/status; '
+        f'ls {SOLUTIONS} {REPO / "tests"} /etc/shadow {Path.home()} >/dev/null 2>&1; echo ls=$?; '
+        f'touch {sysconfig.get_paths()["purelib"]}/zz.pth 2>/dev/null; echo venv=$?; '
+        f'touch {REPO / "pcourse" / "zz"} 2>/dev/null; echo package=$?; '
+        'umount -l /tmp 2>/dev/null; echo umount=$?; unshare -U true 2>/dev/null; '
+        'echo unshare=$?; touch /tmp/x /dev/shm/x && echo scratch=0; '
+        f'touch {sockets}/x && echo sockets=0; '
+        'tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d " " | tr "\\n" ,; echo')
+    done = subprocess.run([*jail["prefix"], "sh", "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    out = done.stdout.split()
+    assert out[0] == "65534" and out[1:7] == ["CapEff:", "0000000000000000", "NoNewPrivs:",
+                                              "1", "Seccomp:", "2"], done
+    said = dict(w.split("=") for w in out if "=" in w)
+    assert said.pop("umount") != "0", done
+    assert said == {"ls": "2", "venv": "1", "package": "1", "unshare": "1", "scratch": "0",
+                    "sockets": "0"}, done  # 2: none of those paths exists in the jail
+    assert out[-1] == "lo,", done  # a network of its own
+    assert not (REPO / "pcourse" / "zz").exists()
