@@ -43,9 +43,12 @@ from typing import Any
 
 UID = 65534  # nobody: the id learner code runs as
 # rlimits of every process in the jail. Processes count every thread of the jail's
-# uid on the machine (as an ordinary user: all the user's, so it is added to what
-# runs now); memory is address space per process (torch reserves a few GiB).
-LIMITS = {"nproc": 1024, "as": 16 << 30, "fsize": 256 << 20, "cpu": 1800, "core": 0}
+# uid on the machine, every worker's jail together (as an ordinary user: all the
+# user's, so it is added to what runs now); torch starts a thread per core in each
+# engine, hence per core. Memory is address space per process (torch reserves a few
+# GiB); CPU seconds per process, for all of one learner's notebooks.
+LIMITS = {"nproc": max(1024, 256 * (os.cpu_count() or 1)), "as": 16 << 30,
+          "fsize": 256 << 20, "cpu": 1800, "core": 0}
 TMP_SIZE = 1 << 30  # bytes of the jail's /tmp
 SHM_SIZE = 4 << 30  # and of its /dev/shm (MPICH's shared-memory segments)
 ETC = ("passwd", "group", "hosts", "nsswitch.conf", "ld.so.cache", "ld.so.conf",
