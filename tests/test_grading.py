@@ -728,3 +728,14 @@ def test_the_jail_holds_without_engines(tmp_path):
                     "sockets": "0"}, done  # 2: none of those paths exists in the jail
     assert out[-1] == "lo,", done  # a network of its own
     assert not (REPO / "pcourse" / "zz").exists()
+
+
+def test_a_worker_keeps_to_one_learner_and_learners_do_not_share_workers():
+    from collections import deque
+
+    todo = deque(runner.Job(k, {}, 1.0, owner) for k, owner in enumerate("aaabbc"))
+    order = [runner._next_for(todo, None, set()).owner,  # a fresh worker: the first
+             runner._next_for(todo, None, {"a"}).owner,  # another: not a, held by the first
+             runner._next_for(todo, "a", {"b"}).owner, runner._next_for(todo, "a", {"b"}).owner,
+             runner._next_for(todo, "a", {"b"}).owner, runner._next_for(todo, "c", {"a"}).owner]
+    assert order == ["a", "b", "a", "a", "c", "b"] and not todo

@@ -372,7 +372,7 @@ def run_jobs(jobs: Iterable[Job], workers: int = 2, engines: int = ENGINES,
                         break
                     idle = _Worker(engines)
                     pool.append(idle)
-                idle.give(_next_for(todo, idle.owner))
+                idle.give(_next_for(todo, idle.owner, {w.owner for w in pool if w.job}))
             for conn in wait([w.conn for w in pool if w.job], timeout=1.0):
                 w = next(w for w in pool if w.conn is conn)
                 try:
@@ -400,9 +400,13 @@ def run_jobs(jobs: Iterable[Job], workers: int = 2, engines: int = ENGINES,
     return dict(results)
 
 
-def _next_for(todo: deque[Job], owner: str | None) -> Job:
-    """The next job of ``owner`` (whose cluster the worker holds), else the first one."""
-    mine = next((j for j in todo if owner is not None and j.owner == owner), None)
+def _next_for(todo: deque[Job], owner: str | None, others: set[str | None]) -> Job:
+    """The next job for a worker holding ``owner``'s cluster: one of that owner's, else
+    the first of an owner no other worker (``others``) holds, else the first.
+
+    So each learner's cluster starts once, not once per worker."""
+    mine = next((j for j in todo if owner is not None and j.owner == owner), None) \
+        or next((j for j in todo if j.owner is None or j.owner not in others), None)
     if mine is None:
         return todo.popleft()
     todo.remove(mine)
