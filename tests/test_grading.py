@@ -739,3 +739,15 @@ def test_a_worker_keeps_to_one_learner_and_learners_do_not_share_workers():
              runner._next_for(todo, "a", {"b"}).owner, runner._next_for(todo, "a", {"b"}).owner,
              runner._next_for(todo, "a", {"b"}).owner, runner._next_for(todo, "c", {"a"}).owner]
     assert order == ["a", "b", "a", "a", "c", "b"] and not todo
+
+
+def test_every_row_graded_without_the_jail_says_so(monkeypatch):
+    from pcourse.tools.grading import grade as grading
+    from pcourse.tools.grading import sandbox
+
+    assert grading._isolation_notes() == ([] if sandbox.available()[0] else
+                                          grading._isolation_notes())
+    monkeypatch.setattr(sandbox, "bwrap", lambda: None)
+    (note,) = grading._isolation_notes()
+    assert "bubblewrap (`bwrap`) is not installed" in note
+    assert note.startswith(("weaker sandbox:", "not sandboxed:")), note
