@@ -46,12 +46,15 @@ DAEMON_MARK = "pcourse-hostile-daemon"
 
 
 def daemon(targets: list[str]) -> str:
-    """Leave a process behind that keeps writing ``targets`` (the class's grades) for a minute.
+    """Leave a process behind that keeps writing ``targets`` (the class's grades) for a minute,
+    undoing what hides their folders first.
 
     It runs as ``sh -c LOOP pcourse-hostile-daemon``: a test finds it by that word.
     The learner's cell then goes on as if nothing happened.
     """
-    loop = "; ".join(f"echo pwned > {t} 2>/dev/null" for t in targets)
+    folders = sorted({t.rsplit("/", 1)[0] for t in targets})
+    loop = "; ".join([*(f"umount -l {f} 2>/dev/null" for f in folders),  # what hides them
+                      *(f"echo pwned > {t} 2>/dev/null" for t in targets)])
     return f"""
 import os
 if os.fork() == 0:
