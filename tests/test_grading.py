@@ -168,12 +168,13 @@ def _mkdir(path: Path) -> Path:
 
 def _secrets(folder: Path) -> list[str]:
     """What learner code must not read: solutions, tests, history, other learners, the
-    grader's output, every kernel's connection file, the machine's passwords."""
+    grader's output, every kernel's connection file (in the home folder), the machine's
+    passwords."""
     from jupyter_core.paths import jupyter_runtime_dir
 
     return [str(SOLUTIONS), str(REPO / "tests"), str(REPO / ".git"),
             str(folder / "solved" / f"{NAMES[0]}.ipynb"), str(folder), jupyter_runtime_dir(),
-            "/etc/shadow", str(Path.home())]
+            "/etc/shadow"]
 
 
 def _grades_files(folder: Path) -> list[Path]:
