@@ -7,8 +7,8 @@ exercises as shipped, one wrong answer of each kind in ``tests/grading/wrong.py`
 (world size, missed point, deadlock, saved outputs, tampering), a learner whose
 notebooks are broken in every way the grader must survive (invalid JSON, renamed,
 missing, a hang, a dead kernel, a dead engine), and hostile learners
-(``tests/grading/hostile.py``: one probes the jail, one leaves a process behind, one
-plants files, one kills what it can, one hands in the solution file). The other wrong
+(``tests/grading/hostile.py``: one probes the jail, leaves a process behind and hands
+in the solution file, one plants files, one kills what it can). The other wrong
 answers are the test suite's own, trusted code: they are graded by the same runner
 and checks on one cluster per worker (``grade(..., trusted=True)``), which is what
 their rows test. The tests below read the rows of both.
@@ -151,14 +151,16 @@ def _class(folder: Path, trusted: Path) -> None:
         planter = _solved(NAMES[1])  # writes into the venv, the course's references, solutions/
         wrong.learner_adds(wrong.plant(*map(str, PLANTED)))(planter, None)
         _write(planter, folder / "planter" / f"{NAMES[1]}.ipynb")
+    # one hostile learner (one cluster): probes the jail, leaves a process behind, and
+    # hands in the solution file itself
     prober = _solved(NAMES[0])  # who it runs as, and what it can read and undo
     wrong.learner_adds(hostile.probe(_secrets(folder)))(prober, None)
-    _write(prober, folder / "prober" / f"{NAMES[0]}.ipynb")
+    _write(prober, folder / "hostile" / f"{NAMES[0]}.ipynb")
     leaver = _solved(NAMES[2])  # a process left behind, writing the class's grades
     wrong.learner_adds(hostile.daemon(list(map(str, _grades_files(folder)))))(leaver, None)
-    _write(leaver, folder / "leaver" / f"{NAMES[2]}.ipynb")
+    _write(leaver, folder / "hostile" / f"{NAMES[2]}.ipynb")
     shutil.copyfile(SOLUTIONS / f"{NAMES[3]}.ipynb",
-                    _mkdir(folder / "copier") / f"{NAMES[3]}.ipynb")
+                    _mkdir(folder / "hostile") / f"{NAMES[3]}.ipynb")
 
 
 def _mkdir(path: Path) -> Path:
@@ -604,7 +606,7 @@ def _jailed() -> None:
 def test_learner_code_runs_as_nobody_without_privileges_network_or_the_course(graded):
     """Run as root or not, the engines are nobody, can undo nothing and read nothing of ours."""
     _jailed()
-    g = graded[("prober", NAMES[0])]
+    g = graded[("hostile", NAMES[0])]
     assert g.passed == 0 and "HOSTILE" in g.first_failure, g
     seen = hostile.report(g.first_failure)
     assert seen["uid"] == "65534" and seen["caps"] == "0000000000000000", seen
@@ -619,7 +621,7 @@ def test_learner_code_runs_as_nobody_without_privileges_network_or_the_course(gr
 @pytest.mark.timeout(3000)
 def test_a_process_left_behind_dies_with_its_learner_and_writes_no_grade(graded):
     _jailed()
-    g = graded[("leaver", NAMES[2])]
+    g = graded[("hostile", NAMES[2])]
     assert g.ok, g  # the code was right: only what it left behind is hostile
     time.sleep(1.0)  # it wrote every 0.1 s, had it lived
     left = [p for p in os.listdir("/proc") if p.isdigit()
@@ -640,7 +642,7 @@ def _cmdline(pid: str) -> bytes:
 @pytest.mark.mpi
 @pytest.mark.timeout(3000)
 def test_the_solution_handed_in_is_noted_in_its_row(graded):
-    g = graded[("copier", NAMES[3])]
+    g = graded[("hostile", NAMES[3])]
     assert "byte for byte the course's own solution file" in g.notes, g
 
 
