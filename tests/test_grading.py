@@ -754,3 +754,31 @@ def test_every_row_graded_without_the_jail_says_so(monkeypatch):
     (note,) = grading._isolation_notes()
     assert "bubblewrap (`bwrap`) is not installed" in note
     assert note.startswith(("weaker sandbox:", "not sandboxed:")), note
+
+
+def test_a_jail_ends_with_every_process_it_held_even_detached_ones(tmp_path):
+    """A jail whose code is done (a cluster stopped gracefully) lives on while any of its
+    processes does (a detached one, setsid): the grader kills them all, by namespace."""
+    import subprocess
+
+    import psutil
+
+    from pcourse.tools.grading import sandbox
+
+    _jailed()
+    jail = sandbox.jail(_mkdir(tmp_path / "cluster"))
+    outer = subprocess.Popen([*jail["prefix"], "sh", "-c",
+                              "setsid sh -c 'sleep 300' & sleep 300"])
+    try:
+        deadline = time.monotonic() + 30
+        while not (spaces := {os.stat(f"/proc/{c.pid}/ns/pid").st_ino
+                              for c in psutil.Process(outer.pid).children()}) \
+                or len(sandbox._members(spaces)) < 3:
+            assert time.monotonic() < deadline, "the jail did not start"
+            time.sleep(0.05)
+        sandbox.end(spaces, timeout=20)  # bubblewrap itself still runs: it waits for them
+        assert sandbox._members(spaces) == []
+        assert outer.wait(timeout=20) is not None  # and ends with its jail
+    finally:
+        outer.kill()
+        outer.wait()

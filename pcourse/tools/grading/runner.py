@@ -130,7 +130,7 @@ def _discard(mc: Any) -> None:
 
     mc.client.close()
     _reap(WORKER_MARK, os.environ[WORKER_MARK], spare=_kernel_pids())
-    sandbox.wait_gone(getattr(mc, "jailed", set()))
+    sandbox.end(getattr(mc, "jailed", set()))
     try:
         mc.cluster.stop_cluster_sync()  # its processes are gone: this only tidies up
     except Exception:  # noqa: BLE001 - nothing left to stop
@@ -144,7 +144,7 @@ def _retire(mc: Any, engines: int) -> None:
 
     if _healthy(mc, engines):
         stop_cluster(mc)
-        sandbox.wait_gone(getattr(mc, "jailed", set()))
+        sandbox.end(getattr(mc, "jailed", set()))
     else:
         _discard(mc)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import signal
 import struct
 import sys
 import time
@@ -266,16 +267,23 @@ def namespaces(mc: Any) -> set[int]:
     return found
 
 
-def wait_gone(spaces: set[int], timeout: float = 30.0) -> None:
-    """Wait until no process is left in ``spaces`` (PID namespaces); RuntimeError after ``timeout``.
+def end(spaces: set[int], timeout: float = 30.0) -> None:
+    """Kill every process left in ``spaces`` (PID namespaces) and wait until none is left.
 
-    Killing bubblewrap kills the jail's first process, and the kernel then kills every
-    other one of its namespace; the grader writes nothing before they are gone.
+    Killing bubblewrap kills the jail's first process, but bubblewrap's init waits for
+    every process of its namespace, and one that detached (``setsid``) keeps the jail
+    alive: so each is killed here, by its namespace, until none is left. RuntimeError
+    after ``timeout``. The grader writes nothing before they are gone.
     """
     deadline = time.monotonic() + timeout
     while spaces and (left := _members(spaces)):
         if time.monotonic() > deadline:
             raise RuntimeError(f"processes {sorted(left)[:5]} of a jail outlived it")
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue
         time.sleep(0.05)
 
 
