@@ -1,12 +1,17 @@
 """Grading: exercises/ is generated from solutions/, and a grade cannot be fooled.
 
 A grader's worst case is a check that passes a wrong answer. So one class is graded,
-once per test session, the way an instructor would (``grade_class``): a learner who
-solved everything, one who handed in the exercises as shipped, one learner per wrong
-answer in ``tests/grading/wrong.py`` (every kind: world size, missed point, deadlock,
-saved outputs, tampering), and a learner whose notebooks are broken in every way the
-grader must survive (invalid JSON, renamed, missing, a hang, a dead kernel, a dead
-engine). One run, two workers, one engine cluster each: the tests below read its rows.
+once per test session, the way an instructor would (``grade_class``, a fresh jailed
+cluster per learner): a learner who solved everything, one who handed in the
+exercises as shipped, one wrong answer of each kind in ``tests/grading/wrong.py``
+(world size, missed point, deadlock, saved outputs, tampering), a learner whose
+notebooks are broken in every way the grader must survive (invalid JSON, renamed,
+missing, a hang, a dead kernel, a dead engine), and hostile learners
+(``tests/grading/hostile.py``: one probes the jail, leaves a process behind and hands
+in the solution file, one plants files, one kills what it can). The other wrong
+answers are the test suite's own, trusted code: they are graded by the same runner
+and checks on one cluster per worker (``grade(..., trusted=True)``), which is what
+their rows test. The tests below read the rows of both.
 """
 
 from __future__ import annotations
@@ -14,10 +19,13 @@ from __future__ import annotations
 import copy
 import csv
 import importlib.util
+import os
 import re
 import shutil
 import sys
+import sysconfig
 import textwrap
+import time
 from pathlib import Path
 
 import nbformat
@@ -29,6 +37,7 @@ from pcourse.tools.grading import runner, submission
 from pcourse.tools.grading.grade import (
     exercise_of,
     exercises,
+    grade,
     grade_class,
     main,
     table,
@@ -40,12 +49,20 @@ REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS, EXERCISES = REPO / "solutions", REPO / "exercises"
 NAMES = sorted(p.stem for p in SOLUTIONS.glob("*.ipynb"))
 CLASS_TIMEOUT = 60  # seconds per notebook in the class below; the hang uses all of it
-PLANTED = (SOLUTIONS / "zz_planted.txt", REPO / "pcourse" / "tools" / "grading" / "zz_planted.txt")
+PLANTED = (Path(sysconfig.get_paths()["purelib"]) / "zz_planted.pth",
+           REPO / "pcourse" / "tools" / "grading" / "zz_planted.txt",
+           SOLUTIONS / "zz_planted.txt")  # the venv first: a .pth runs in every later Python
 
 _spec = importlib.util.spec_from_file_location("wrong_answers", REPO / "tests/grading/wrong.py")
 wrong = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(wrong)
 WRONG = wrong.WRONG
+_spec = importlib.util.spec_from_file_location("hostile_code", REPO / "tests/grading/hostile.py")
+hostile = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hostile)
+# graded end to end, in the class: the first wrong answer of each kind
+END_TO_END = {next((n, label) for n in NAMES for label, w in WRONG[n].items() if w.kind == kind)
+              for kind in wrong.KINDS}
 
 
 def _solution(name: str) -> nbformat.NotebookNode:
@@ -103,8 +120,8 @@ def _write(nb: nbformat.NotebookNode, path: Path) -> None:
     nbformat.write(nb, path)
 
 
-def _class(folder: Path) -> None:
-    """The class described in the module docstring."""
+def _class(folder: Path, trusted: Path) -> None:
+    """The class described in the module docstring; the trusted wrong answers in ``trusted``."""
     for name in NAMES:
         _write(_solved(name), folder / "solved" / f"{name}.ipynb")
         _write(_exercise(name), folder / "shipped" / f"{name}.ipynb")
@@ -112,7 +129,8 @@ def _class(folder: Path) -> None:
             nb = _solved(name, w.codes)
             if w.edit:
                 w.edit(nb, _solution(name))
-            _write(nb, folder / _wrong_learner(name, label) / f"{name}.ipynb")
+            where = folder if (name, label) in END_TO_END else trusted
+            _write(nb, where / _wrong_learner(name, label) / f"{name}.ipynb")
     broken = folder / "broken"
     broken.mkdir()
     (broken / f"{NAMES[0]}.ipynb").write_text('{"cells": [ this is not JSON')
@@ -130,19 +148,56 @@ def _class(folder: Path) -> None:
         killer = _solved(NAMES[0])
         wrong.learner_adds(wrong.KILL_EVERYTHING)(killer, None)
         _write(killer, folder / "killer" / f"{NAMES[0]}.ipynb")
-        planter = _solved(NAMES[1])  # writes into solutions/ and the course's references
+        planter = _solved(NAMES[1])  # writes into the venv, the course's references, solutions/
         wrong.learner_adds(wrong.plant(*map(str, PLANTED)))(planter, None)
         _write(planter, folder / "planter" / f"{NAMES[1]}.ipynb")
+    # one hostile learner (one cluster): probes the jail, leaves a process behind, and
+    # hands in the solution file itself
+    prober = _solved(NAMES[0])  # who it runs as, and what it can read and undo
+    wrong.learner_adds(hostile.probe(_secrets(folder)))(prober, None)
+    _write(prober, folder / "hostile" / f"{NAMES[0]}.ipynb")
+    leaver = _solved(NAMES[2])  # a process left behind, writing the class's grades
+    wrong.learner_adds(hostile.daemon(list(map(str, _grades_files(folder)))))(leaver, None)
+    _write(leaver, folder / "hostile" / f"{NAMES[2]}.ipynb")
+    shutil.copyfile(SOLUTIONS / f"{NAMES[3]}.ipynb",
+                    _mkdir(folder / "hostile") / f"{NAMES[3]}.ipynb")
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _secrets(folder: Path) -> list[str]:
+    """What learner code must not read: solutions, tests, history, other learners, the
+    grader's output, every kernel's connection file (in the home folder), the machine's
+    passwords."""
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    return [str(SOLUTIONS), str(REPO / "tests"), str(REPO / ".git"),
+            str(folder / "solved" / f"{NAMES[0]}.ipynb"), str(folder), jupyter_runtime_dir(),
+            "/etc/shadow"]
+
+
+def _grades_files(folder: Path) -> list[Path]:
+    return [folder / "grades.csv", folder / "grades.partial.csv", folder / "pwned.txt"]
 
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory) -> dict[tuple[str, str], Grade]:
-    folder = tmp_path_factory.mktemp("class")
-    _class(folder)
+    folder, trusted = tmp_path_factory.mktemp("class"), tmp_path_factory.mktemp("trusted")
+    _class(folder, trusted)
+    start = time.monotonic()
     rows = grade_class(folder, jobs=2, timeout=CLASS_TIMEOUT)
     write_gradebook(rows, folder)
     (folder / "table.txt").write_text(table(rows))
-    graded = {(g.learner, g.exercise): g for g in rows}
+    middle = time.monotonic()
+    paths = sorted(trusted.glob("*/*.ipynb"))
+    more = grade(paths, jobs=2, timeout=CLASS_TIMEOUT, learners=[p.parent.name for p in paths],
+                 trusted=True)
+    print(f"\nclass graded in {middle - start:.0f} s ({len(rows)} rows), trusted wrong answers "
+          f"in {time.monotonic() - middle:.0f} s ({len(more)} rows)")
+    graded = {(g.learner, g.exercise): g for g in rows + more}
     graded["folder"] = folder  # type: ignore[assignment]
     return graded
 
@@ -533,3 +588,197 @@ def test_the_gradebook_has_a_row_per_learner_and_exercise(graded):
     assert book["solved"]["checks_passed"] == book["solved"]["checks_total"]
     assert book["shipped"]["checks_passed"] == "0"
     assert book["broken"]["exercises_passed"] == "1"
+
+
+# ---------------------------------------------------------------- hostile learners
+
+def _jailed() -> None:
+    from pcourse.tools.grading import sandbox
+
+    ok, why = sandbox.available()
+    if not ok:
+        pytest.skip(f"no jail here ({why}): every row says so instead")
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(3000)
+def test_learner_code_runs_as_nobody_without_privileges_network_or_the_course(graded):
+    """Run as root or not, the engines are nobody, can undo nothing and read nothing of ours."""
+    _jailed()
+    g = graded[("hostile", NAMES[0])]
+    assert g.passed == 0 and "HOSTILE" in g.first_failure, g
+    seen = hostile.report(g.first_failure)
+    assert seen["uid"] == "65534" and seen["caps"] == "0000000000000000", seen
+    assert seen["nnp"] == "1" and seen["seccomp"] == "2", seen  # 2: a filter
+    assert all(seen[k] != "0" for k in ("umount", "remount", "unshare")), seen
+    assert seen["ifaces"] == "lo", seen  # a network of its own: the controller is a socket
+    assert seen["seen"] == "-", f"learner code read {seen['seen']}"
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(3000)
+def test_a_process_left_behind_dies_with_its_learner_and_writes_no_grade(graded):
+    _jailed()
+    g = graded[("hostile", NAMES[2])]
+    assert g.ok, g  # the code was right: only what it left behind is hostile
+    time.sleep(1.0)  # it wrote every 0.1 s, had it lived
+    left = [p for p in os.listdir("/proc") if p.isdigit()
+            and hostile.DAEMON_MARK.encode() in _cmdline(p)]
+    assert left == [], f"processes {left} outlived the grading"
+    files = _grades_files(graded["folder"])
+    assert not any(p.exists() and b"pwned" in p.read_bytes() for p in files), files
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(3000)
+def test_the_solution_handed_in_is_noted_in_its_row(graded):
+    g = graded[("hostile", NAMES[3])]
+    assert "byte for byte the course's own solution file" in g.notes, g
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_what_one_learner_leaves_on_the_engines_the_next_never_meets(tmp_path):
+    """One worker, two learners in turn: the second gets a fresh cluster, not the first's."""
+    _jailed()
+    first, second = _solved(NAMES[0]), _solved(NAMES[0])
+    wrong.learner_adds(hostile.PATCH)(first, None)
+    wrong.learner_adds(hostile.FIND_PATCH)(second, None)
+    _write(first, tmp_path / "a-patcher" / f"{NAMES[0]}.ipynb")
+    _write(second, tmp_path / "b-next" / f"{NAMES[0]}.ipynb")
+    rows = {g.learner: g for g in grade_class(tmp_path, jobs=1, timeout=CLASS_TIMEOUT)
+            if g.exercise == NAMES[0]}
+    assert rows["a-patcher"].ok, rows["a-patcher"]  # planting broke nothing of its own
+    assert "HOSTILE found=|" in rows["b-next"].first_failure, rows["b-next"]
+
+
+def test_every_file_in_a_learners_folder_gets_its_own_row(tmp_path):
+    """Folders, FIFOs, links (to /dev/zero, to the solution), deep JSON, huge files,
+    names that are not UTF-8, a grades.csv of a learner's: rows, not a crash or a hang.
+    All are refused unrun: no engines needed."""
+    ann = _mkdir(tmp_path / "ann")
+    (ann / f"{NAMES[0]}.ipynb").mkdir()
+    os.mkfifo(ann / f"{NAMES[1]}.ipynb")
+    (ann / f"{NAMES[2]}.ipynb").symlink_to("/dev/zero")
+    (ann / f"{NAMES[3]}.ipynb").write_text("[" * 100_000 + "]" * 100_000)
+    (ann / f"{NAMES[4]}.ipynb").symlink_to(SOLUTIONS / f"{NAMES[4]}.ipynb")
+    with open(ann / f"{NAMES[5]}.ipynb", "wb") as f:
+        f.truncate(submission.MAX_BYTES + 1)  # sparse: costs no disk
+    deep = _solved(NAMES[6], [*ex.solution_regions(_solution(NAMES[6]))])
+    wrong.learner_adds("x = " + "(" * 150 + "1" + ")" * 150 + "\ny = " + "-" * 100_000 + "1")(
+        deep, None)
+    _write(deep, ann / f"{NAMES[6]}.ipynb")
+    odd = _mkdir(Path(os.fsdecode(bytes(tmp_path) + b"/caf\xe9")))
+    (odd / f"{NAMES[0]}.ipynb").write_text("not json")
+    (odd / os.fsdecode(b"\xff\n.ipynb")).write_text("{}")
+    gamer = _mkdir(tmp_path / "gamer")
+    for f in ("grades.csv", "grades.partial.csv"):
+        (gamer / f).write_text("learner,exercise\n")
+    (gamer / f"{NAMES[0]}.ipynb").write_text("not json")
+    assert main(["--class", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    with open(tmp_path / "out" / "grades.csv", encoding="utf-8") as f:
+        rows = {(r["learner"], r["exercise"]): r for r in csv.DictReader(f)}
+    assert {learner for learner, _ in rows} == {"ann", "caf\ufffd", "gamer"}
+    assert len(rows) == 3 * len(NAMES)
+    why = {k: rows["ann", n]["first_failure"] for k, n in enumerate(NAMES)}
+    assert "a folder" in why[0] and "not a regular file" in why[1], why
+    assert "symbolic link (to /dev/zero)" in why[2] and "nested too deeply" in why[3], why
+    assert "symbolic link" in why[4] and "course's own solution" in rows["ann", NAMES[4]]["notes"]
+    assert "MiB" in why[5] and "nested too deeply" in why[6], why
+    assert all(rows["ann", n]["status"] in ("invalid", "syntax") for n in NAMES[:7])
+    assert rows["gamer", NAMES[0]]["status"] == "invalid"  # still a learner of the class
+    assert "?" in rows["caf\ufffd", NAMES[1]]["first_failure"] or \
+        rows["caf\ufffd", NAMES[1]]["status"] == "missing"
+
+
+def test_the_jail_holds_without_engines(tmp_path):
+    """What any process in the jail is and may do (a second: no engines, no MPI)."""
+    import subprocess
+
+    from pcourse.tools.grading import sandbox
+
+    _jailed()
+    jail = sandbox.jail(_mkdir(tmp_path / "cluster"))
+    sockets = tmp_path / "cluster" / "sockets"
+    script = (
+        'id -u; grep -E "^(CapEff|NoNewPrivs|Seccomp):" /proc/self/status; '
+        f'ls {SOLUTIONS} {REPO / "tests"} /etc/shadow {Path.home()} >/dev/null 2>&1; echo ls=$?; '
+        f'touch {sysconfig.get_paths()["purelib"]}/zz.pth 2>/dev/null; echo venv=$?; '
+        f'touch {REPO / "pcourse" / "zz"} 2>/dev/null; echo package=$?; '
+        'umount -l /tmp 2>/dev/null; echo umount=$?; unshare -U true 2>/dev/null; '
+        'echo unshare=$?; touch /tmp/x /dev/shm/x && echo scratch=0; '
+        f'touch {sockets}/x && echo sockets=0; '
+        'tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d " " | tr "\\n" ,; echo')
+    done = subprocess.run([*jail["prefix"], "sh", "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    out = done.stdout.split()
+    assert out[0] == "65534" and out[1:7] == ["CapEff:", "0000000000000000", "NoNewPrivs:",
+                                              "1", "Seccomp:", "2"], done
+    said = dict(w.split("=") for w in out if "=" in w)
+    assert said.pop("umount") != "0", done
+    assert said == {"ls": "2", "venv": "1", "package": "1", "unshare": "1", "scratch": "0",
+                    "sockets": "0"}, done  # 2: none of those paths exists in the jail
+    assert out[-1] == "lo,", done  # a network of its own
+    assert not (REPO / "pcourse" / "zz").exists()
+
+
+def test_a_worker_keeps_to_one_learner_and_learners_do_not_share_workers():
+    from collections import deque
+
+    todo = deque(runner.Job(k, {}, 1.0, owner) for k, owner in enumerate("aaabbc"))
+    order = [runner._next_for(todo, None, set()).owner,  # a fresh worker: the first
+             runner._next_for(todo, None, {"a"}).owner,  # another: not a, held by the first
+             runner._next_for(todo, "a", {"b"}).owner, runner._next_for(todo, "a", {"b"}).owner,
+             runner._next_for(todo, "a", {"b"}).owner, runner._next_for(todo, "c", {"a"}).owner]
+    assert order == ["a", "b", "a", "a", "c", "b"] and not todo
+
+
+def test_every_row_graded_without_the_jail_says_so(monkeypatch):
+    from pcourse.tools.grading import grade as grading
+    from pcourse.tools.grading import sandbox
+
+    assert grading._isolation_notes() == ([] if sandbox.available()[0] else
+                                          grading._isolation_notes())
+    monkeypatch.setattr(sandbox, "bwrap", lambda: None)
+    (note,) = grading._isolation_notes()
+    assert "bubblewrap (`bwrap`) is not installed" in note
+    assert note.startswith(("weaker sandbox:", "not sandboxed:")), note
+
+
+def test_a_jail_ends_with_every_process_it_held_even_detached_ones(tmp_path):
+    """A jail whose code is done (a cluster stopped gracefully) lives on while any of its
+    processes does (a detached one, setsid): the grader kills them all, by namespace."""
+    import subprocess
+
+    import psutil
+
+    from pcourse.tools.grading import sandbox
+
+    _jailed()
+    jail = sandbox.jail(_mkdir(tmp_path / "cluster"))
+    outer = subprocess.Popen([*jail["prefix"], "sh", "-c",
+                              "setsid sh -c 'sleep 300' & sleep 300"])
+    try:
+        deadline = time.monotonic() + 30
+        while not (spaces := {os.stat(f"/proc/{c.pid}/ns/pid").st_ino
+                              for c in psutil.Process(outer.pid).children()}) \
+                or len(sandbox._members(spaces)) < 3:
+            assert time.monotonic() < deadline, "the jail did not start"
+            time.sleep(0.05)
+        sandbox.end(spaces, timeout=20)  # bubblewrap itself still runs: it waits for them
+        assert sandbox._members(spaces) == []
+        assert outer.wait(timeout=20) is not None  # and ends with its jail
+    finally:
+        outer.kill()
+        outer.wait()

@@ -297,6 +297,7 @@ def start_cluster(
     oversubscribe: bool = False,
     contain: bool = False,
     hide: Sequence[str] = (),
+    jail: Callable[[Path], dict[str, list[str]]] | None = None,
 ) -> MPICluster:
     """Start ``n`` engines, the ranks of one MPI job, and return them ready to use.
 
@@ -319,6 +320,9 @@ def start_cluster(
     engines cannot signal any process outside their job, nothing they start
     outlives it, they write only to a private ``/tmp`` (which holds the cluster's
     own folder) and ``/dev/shm``, and each path of ``hide`` is an empty folder to them.
+    ``jail(folder)`` (the grader's sandbox, :mod:`pcourse.tools.grading.sandbox`), when
+    given, replaces that: it returns the MPI job's ``prefix``, and the controller's
+    command (``controller_cmd``) and extra arguments (``controller_args``).
     """
     slurm = Slurm.from_env() if slurm is None and hostfile is None else slurm
     if slurm is not None and hostfile is not None:
@@ -342,10 +346,18 @@ def start_cluster(
     if slurm:
         cluster = _make_slurm_cluster(n, folder, env or {}, slurm)
     else:
-        if contain and here:
+        jailed: dict[str, list[str]] = {}
+        if jail is not None and here:
+            jailed = jail(folder)
+            launcher = dataclasses.replace(launcher,
+                                           command=[*jailed["prefix"], *launcher.command])
+        elif contain and here:
             prefix = containment(str(folder), tuple(map(str, hide)))[0]
             launcher = dataclasses.replace(launcher, command=[*prefix, *launcher.command])
         cluster = _make_cluster(n, folder, launcher, env or {}, hostfile)
+        if jailed:
+            cluster.controller_args = [*cluster.controller_args, *jailed["controller_args"]]
+            cluster.config.LocalControllerLauncher.controller_cmd = jailed["controller_cmd"]
     progress = Bar(n, desc="engines", unit="engine")
     progress.update(0)
     client = None

@@ -18,13 +18,15 @@ decided, so a grader that dies halfway loses no finished row.
 A notebook is never trusted (:mod:`pcourse.tools.grading.submission`): its check cells and
 their expected outputs come from solutions/, only the learner's cells from the file.
 A file that is not a notebook, is missing or renamed, whose cells were moved or whose
-code reaches for the checks gets a row saying so and is not run. The rest run on a
-few workers, each reusing one engine cluster (:mod:`pcourse.tools.grading.runner`), with a
-time limit per notebook; a notebook that hangs, kills its kernel or an engine gets
-a row saying so, and the others are graded all the same. The learner's code runs on
-the engines only, in a PID namespace of their own where the machine allows it (a
-row run without one says so): it cannot signal the grader, its kernels or another
-learner's engines.
+code reaches for the checks gets a row saying so and is not run; so does a file that
+is not a regular file, is a link, or is too large (:func:`submission.load`). The rest
+run on a few workers, with a fresh engine cluster per learner
+(:mod:`pcourse.tools.grading.runner`) and a time limit per notebook; a notebook that
+hangs, kills its kernel or an engine gets a row saying so, and the others are graded
+all the same. The learner's code runs on the engines only, in the jail of
+:mod:`pcourse.tools.grading.sandbox` (a row graded without it says so): as nobody, in
+namespaces of its own, it cannot signal the grader, its kernels or another learner's
+engines, nor read or write anything of theirs.
 
 A notebook's file name says which exercise it is, in both modes alike
 (:func:`exercise_of`): ``02_average_gradients.ipynb``, or
@@ -127,11 +129,11 @@ def _checks(solution: Path) -> int:
 def _title(path: Path) -> str | None:
     """The first line of a notebook's first markdown cell (None if unreadable)."""
     try:
-        cells = json.loads(Path(path).read_text(encoding="utf-8")).get("cells", [])
+        cells = json.loads(submission.load(path).decode("utf-8")).get("cells", [])
         first = next(c for c in cells if c.get("cell_type") == "markdown")
         source = "".join(first["source"]) if isinstance(first["source"], list) else first["source"]
         return source.strip().splitlines()[0]
-    except Exception:  # noqa: BLE001 - any unreadable file simply has no title
+    except (Exception, RecursionError):  # noqa: BLE001 - an unreadable file has no title
         return None
 
 
@@ -139,39 +141,54 @@ def _title(path: Path) -> str | None:
 
 def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIMEOUT,
           solutions: Path | None = None, learners: list[str] | None = None,
-          progress: Callable[[Grade], None] | None = None) -> list[Grade]:
+          progress: Callable[[Grade], None] | None = None, trusted: bool = False
+          ) -> list[Grade]:
     """Grade every notebook; one Grade each, in order.
 
-    ``learners`` (one name per notebook) only labels the rows of a class.
+    ``learners`` (one name per notebook) labels the rows of a class, and says whose
+    code is whose: each learner's notebooks run on a cluster of their own (without
+    ``learners``, each folder's). ``trusted=True`` runs every notebook on one cluster
+    per worker: only for notebooks whose code is trusted (the test suite's own wrong
+    answers), never a learner's.
     ``progress(grade)`` hears of every row as soon as it is decided.
     """
-    progress = progress or (lambda g: None)
+    progress = _made_safe(progress or (lambda g: None))
     solutions = solutions_of(solutions)
     known = exercises(solutions)
     grades, runnables, todo = [], {}, []
     for k, path in enumerate(map(Path, notebooks)):
         name = exercise_of(path, known)
-        g = Grade(path, name or path.stem, learner=learners[k] if learners else "")
+        g = Grade(path, name or submission.safe_text(path.stem),
+                  learner=learners[k] if learners else "")
         grades.append(g)
         if name is None:
             like = looks_like(path, known)
             g.status = "renamed" if like else "invalid"
             g.first_failure = _renamed(path, like) if like else (
-                f"no exercise is named {path.stem!r}: name the file as in exercises/")
+                f"no exercise is named {submission.safe_text(path.stem)!r}: name the file as "
+                "in exercises/")
             g.total = _checks(known[like]) if like else 0
             progress(g)
             continue
         g.total = _checks(known[name])
         solution = nbformat.read(known[name], as_version=4)
         try:
-            runnable = submission.prepare(submission.read(path), solution, name)
+            data = submission.load(path)
+            runnable = submission.prepare(submission.parse(data), solution, name)
         except submission.Rejected as exc:
             g.status, g.first_failure = exc.kind, exc.reason
+            g.notes = _copied(path, known[name])
             progress(g)
             continue
-        g.notes = runnable.notes + _isolation_notes()
+        except Exception as exc:  # noqa: BLE001 - whatever a file does, it is its own row
+            g.status = "invalid"
+            g.first_failure = f"the grader could not read it: {type(exc).__name__}: {exc}"[:300]
+            progress(g)
+            continue
+        g.notes = runnable.notes + _copied(path, known[name], data) + _isolation_notes()
         runnables[k] = runnable
-        todo.append(Job(k, runnable.notebook, timeout))
+        owner = None if trusted else (learners[k] if learners else str(path.parent.resolve()))
+        todo.append(Job(k, runnable.notebook, timeout, owner))
     def judged(k: int, executed: Executed) -> None:
         _judge(grades[k], runnables[k], executed, timeout)
         progress(grades[k])
@@ -186,6 +203,29 @@ def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIM
         else:
             os.environ[HIDE_ENV] = previous
     return grades
+
+
+def _made_safe(progress: Callable[[Grade], None]) -> Callable[[Grade], None]:
+    """``progress``, given each row with the text a learner's file names put in it made
+    writable anywhere (:func:`submission.safe_text`): a CSV, a JSON file, a terminal."""
+    def decided(g: Grade) -> None:
+        g.first_failure = submission.safe_text(g.first_failure or "") or g.first_failure
+        g.notes = [submission.safe_text(n) for n in g.notes]
+        progress(g)
+
+    return decided
+
+
+def _copied(path: Path, solution: Path, data: bytes | None = None) -> list[str]:
+    """A note when a submission is the course's solution: a link to it, or the same bytes."""
+    try:
+        if Path(path).is_symlink() and Path(path).resolve() == Path(solution).resolve():
+            return ["a symbolic link to the course's own solution"]
+        if data is not None and data == Path(solution).read_bytes():
+            return ["byte for byte the course's own solution file"]
+    except OSError:
+        pass
+    return []
 
 
 def _hidden_from_engines(solutions: Path, notebooks: list[Path]) -> list[Path]:
@@ -209,12 +249,19 @@ def _hidden_from_engines(solutions: Path, notebooks: list[Path]) -> list[Path]:
 
 
 def _isolation_notes() -> list[str]:
-    """What every row run without the engines in a namespace of their own says."""
+    """What every row run without the jail of :mod:`pcourse.tools.grading.sandbox` says."""
     from pcourse.tools.cluster.launch import containment
+    from pcourse.tools.grading import sandbox
 
-    prefix, why = containment()
-    return [] if prefix else [f"not isolated: {why}; the learner's code could reach other "
-                              "processes of this user"]
+    jailed, why = sandbox.available()
+    if jailed:
+        return []
+    prefix, unshared = containment()
+    if prefix:
+        return [f"weaker sandbox: {why}; the learner's code ran as this user, in mount and "
+                "PID namespaces only (it could undo them as root, and reach the network)"]
+    return [f"not sandboxed: {why}, and {unshared}; the learner's code could reach other "
+            "processes and files of this user"]
 
 
 def _judge(g: Grade, runnable: submission.Runnable, run: Executed, limit: float) -> None:
@@ -278,26 +325,48 @@ def _problem(run: Executed, cell: int, expected: str | None) -> str | None:
 
 # ---------------------------------------------------------------- a class
 
+def learners_of(folder: Path, out: Path | None = None) -> list[Path]:
+    """The learners' folders of a class, in name order.
+
+    Real folders only (not links), not hidden or ``_``-named (the grader's own), and
+    not ``out``, the folder the grader writes to, known by its path: a file a learner
+    puts in their folder (a ``grades.csv``) changes nothing.
+    """
+    out = Path(out).resolve() if out is not None else None
+    return sorted(p for p in Path(folder).iterdir()
+                  if p.is_dir() and not p.is_symlink() and not p.name.startswith((".", "_"))
+                  and p.resolve() != out)
+
+
+def notebooks_of(learner: Path) -> list[Path]:
+    """Every entry of a learner's folder named ``*.ipynb``, whatever it is (read later)."""
+    try:
+        return sorted(Path(e.path) for e in os.scandir(learner) if e.name.endswith(".ipynb"))
+    except OSError:
+        return []
+
+
 def grade_class(folder: Path, jobs: int = JOBS, timeout: float = NOTEBOOK_TIMEOUT,
                 solutions: Path | None = None,
-                progress: Callable[[Grade], None] | None = None) -> list[Grade]:
+                progress: Callable[[Grade], None] | None = None,
+                out: Path | None = None) -> list[Grade]:
     """One Grade per learner (a sub-folder) and exercise, learners in name order.
 
     ``progress(grade)`` hears of every row as soon as it is decided (:class:`RowLog`).
+    ``out`` is the folder the grader writes to, when it is a sub-folder of the class.
     """
-    progress = progress or (lambda g: None)
+    progress = _made_safe(progress or (lambda g: None))
     solutions = solutions_of(solutions)
     known = exercises(solutions)
-    learners = sorted(p for p in Path(folder).iterdir()  # not the grader's own --out folder
-                      if p.is_dir() and not p.name.startswith((".", "_"))
-                      and not any((p / f).exists() for f in ("grades.csv", "grades.partial.csv")))
+    learners = learners_of(folder, out)
     rows: list[Grade] = []
     present: list[tuple[int, Path, str]] = []  # row, file, note
     for learner in learners:
-        files = sorted(learner.glob("*.ipynb"))
+        files = notebooks_of(learner)
+        who = submission.safe_text(learner.name)
         for name in known:
             path, status, text = find_submission(name, files, known)
-            rows.append(Grade(path or learner / f"{name}.ipynb", name, learner=learner.name,
+            rows.append(Grade(path or learner / f"{name}.ipynb", name, learner=who,
                               total=_checks(known[name])))
             if path is None:
                 rows[-1].status, rows[-1].first_failure = status, text
@@ -324,9 +393,11 @@ GRADE_FIELDS = ["learner", "exercise", "status", "checks_passed", "checks_total"
 
 
 def _row(g: Grade) -> dict:
-    return {"learner": g.learner, "exercise": g.exercise, "status": g.status,
+    """A row of grades.csv (file names a learner chose made writable: :func:`safe_text`)."""
+    safe = submission.safe_text
+    return {"learner": safe(g.learner), "exercise": g.exercise, "status": g.status,
             "checks_passed": g.passed, "checks_total": g.total, "passed": int(g.ok),
-            "first_failure": g.first_failure or "", "notes": "; ".join(g.notes),
+            "first_failure": safe(g.first_failure or ""), "notes": safe("; ".join(g.notes)),
             "seconds": f"{g.seconds:.1f}"}
 
 
@@ -405,8 +476,8 @@ def table(grades: list[Grade]) -> str:
         for g in mine:
             result = "PASS" if g.ok else g.first_failure or "FAIL"
             note = f"  [{'; '.join(g.notes)}]" if g.notes else ""
-            rows.append((f"{learner:<{lwidth}}" if learners else "")
-                        + f"{g.name:<{width}}{f'{g.passed}/{g.total}':<8}{result}{note}")
+            rows.append(submission.safe_text((f"{learner:<{lwidth}}" if learners else "")
+                        + f"{g.name:<{width}}{f'{g.passed}/{g.total}':<8}{result}{note}"))
         if learners:
             t = _totals(mine)
             rows.append(f"{learner:<{lwidth}}{'TOTAL':<{width}}"
@@ -454,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         except NotWritable as exc:
             parser.error(f"--out: {exc}. Nothing was graded.")
         log = RowLog((args.out or args.folder) / "grades.partial.csv")
-        rows = grade_class(args.folder, args.jobs, args.timeout, solutions, progress=log)
+        rows = grade_class(args.folder, args.jobs, args.timeout, solutions, progress=log,
+                           out=args.out)
         if not rows:
             log.done()
             parser.error(f"--class {args.folder}: no learner folders in it")

@@ -1,13 +1,17 @@
-"""Run prepared notebooks on a few worker processes, each keeping one engine cluster.
+"""Run prepared notebooks on a few worker processes, each with a cluster per learner.
 
-Starting MPI engines costs seconds; a class of 30 learners hands in 210 notebooks.
-So each worker starts one cluster of :data:`ENGINES` engines and runs notebook
-after notebook on it, each in a fresh kernel that attaches to the cluster
-(:func:`pcourse.tools.grading.harness.start_cluster`). Between notebooks the worker
-checks that every engine still answers through MPI, and resets what one learner's
+Each job names its ``owner`` (the learner): a worker starts a fresh cluster of
+:data:`ENGINES` engines for every owner, in the jail of
+:mod:`pcourse.tools.grading.sandbox` where bubblewrap is installed, so no process that
+ran one learner's code ever runs another's; the parent hands a worker the next
+notebook of the learner it has, so each learner's cluster starts once. Each notebook
+runs in a fresh kernel that attaches to the cluster
+(:func:`pcourse.tools.grading.harness.start_cluster`). Between one learner's notebooks
+the worker checks that every engine still answers through MPI, and resets what the
 code could leave behind (namespaces, a torch.distributed group, torch defaults,
 environment variables); when a notebook left the engines stuck, killed one, or
-ran out of time, the worker starts a fresh cluster.
+ran out of time, the worker starts a fresh cluster. Jobs without an owner (the test
+suite's own trusted notebooks) share one cluster per worker.
 
 What can go wrong is contained at three levels: a cell past the notebook's time
 limit is stopped and its kernel killed (by the worker); a worker that stops
@@ -45,6 +49,7 @@ class Job:
     key: Any
     notebook: dict  # the notebook to run, as nbformat JSON
     limit: float  # seconds for the whole notebook, kernel start included
+    owner: str | None = None  # whose code: a fresh cluster for each (None: trusted, shared)
 
 
 @dataclass
@@ -77,9 +82,10 @@ def _ready(mc: Any, engines: int, where: Path) -> Any:
 
     Its client connection file is copied to ``where``, the one path every kernel of
     this worker is told about, so kernels started before a restart find the new one.
+    The cluster runs in the jail (:mod:`pcourse.tools.grading.sandbox`) where it can.
     """
     from pcourse.tools.cluster import start_cluster
-    from pcourse.tools.grading import trials
+    from pcourse.tools.grading import sandbox, trials
     from pcourse.utils.io import atomic_write
 
     if mc is not None and not _healthy(mc, engines):
@@ -87,7 +93,9 @@ def _ready(mc: Any, engines: int, where: Path) -> Any:
         mc = None
     if mc is None:
         hidden = [h for h in os.environ.get(HIDE_ENV, "").split(os.pathsep) if h]
-        mc = start_cluster(engines, contain=True, hide=hidden)
+        jail = sandbox.jail if sandbox.available()[0] else None
+        mc = start_cluster(engines, contain=True, hide=hidden, jail=jail)
+        mc.jailed = sandbox.namespaces(mc) if jail else set()
         c = mc.cluster
         source = Path(c.profile_dir) / "security" / f"ipcontroller-{c.cluster_id}-client.json"
         with atomic_write(where) as f:
@@ -118,12 +126,27 @@ def _discard(mc: Any) -> None:
     Not through stop_cluster: that asks the engines to shut down and waits for
     their answer, which stuck engines never give.
     """
+    from pcourse.tools.grading import sandbox
+
     mc.client.close()
     _reap(WORKER_MARK, os.environ[WORKER_MARK], spare=_kernel_pids())
+    sandbox.end(getattr(mc, "jailed", set()))
     try:
         mc.cluster.stop_cluster_sync()  # its processes are gone: this only tidies up
     except Exception:  # noqa: BLE001 - nothing left to stop
         pass
+
+
+def _retire(mc: Any, engines: int) -> None:
+    """Stop a cluster for good, and wait until every process of its jail is gone."""
+    from pcourse.tools.cluster import stop_cluster
+    from pcourse.tools.grading import sandbox
+
+    if _healthy(mc, engines):
+        stop_cluster(mc)
+        sandbox.end(getattr(mc, "jailed", set()))
+    else:
+        _discard(mc)
 
 
 def _kernel_manager() -> Any:
@@ -243,10 +266,14 @@ def _worker(conn: Connection, mark: str, engines: int) -> None:
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     where = Path(tempfile.mkdtemp(prefix="pcourse-grader-")) / "cluster.json"
     os.environ[CLUSTER_ENV] = str(where)
-    mc, spare = None, None
+    mc, spare, owner = None, None, None
     try:
         while (job := conn.recv()) is not None:
             try:
+                if mc is not None and job.owner != owner:
+                    _retire(mc, engines)  # another learner: nothing of this one survives
+                    mc = None
+                owner = job.owner
                 mc = _ready_or_retry(mc, engines, where)
                 if spare is not None and not spare.alive():  # killed while it waited
                     spare.close()
@@ -262,9 +289,7 @@ def _worker(conn: Connection, mark: str, engines: int) -> None:
         for k in list(_kernels):
             k.close()
         if mc is not None:
-            from pcourse.tools.cluster import stop_cluster
-
-            (stop_cluster if _healthy(mc, engines) else _discard)(mc)
+            _retire(mc, engines)
         shutil.rmtree(where.parent, ignore_errors=True)
 
 
@@ -281,11 +306,12 @@ class _Worker:
              str(engines)], pass_fds=[theirs.fileno()], start_new_session=True)
         theirs.close()
         self.job: Job | None = None
+        self.owner: str | None = None  # whose cluster the worker holds
         self.since = 0.0
         self.done = 0
 
     def give(self, job: Job) -> None:
-        self.job, self.since = job, time.monotonic()
+        self.job, self.owner, self.since = job, job.owner, time.monotonic()
         self.conn.send(job)
 
     def overdue(self) -> bool:
@@ -346,7 +372,7 @@ def run_jobs(jobs: Iterable[Job], workers: int = 2, engines: int = ENGINES,
                         break
                     idle = _Worker(engines)
                     pool.append(idle)
-                idle.give(todo.popleft())
+                idle.give(_next_for(todo, idle.owner, {w.owner for w in pool if w.job}))
             for conn in wait([w.conn for w in pool if w.job], timeout=1.0):
                 w = next(w for w in pool if w.conn is conn)
                 try:
@@ -372,6 +398,19 @@ def run_jobs(jobs: Iterable[Job], workers: int = 2, engines: int = ENGINES,
         else:
             os.environ[RUN_MARK] = previous
     return dict(results)
+
+
+def _next_for(todo: deque[Job], owner: str | None, others: set[str | None]) -> Job:
+    """The next job for a worker holding ``owner``'s cluster: one of that owner's, else
+    the first of an owner no other worker (``others``) holds, else the first.
+
+    So each learner's cluster starts once, not once per worker."""
+    mine = next((j for j in todo if owner is not None and j.owner == owner), None) \
+        or next((j for j in todo if j.owner is None or j.owner not in others), None)
+    if mine is None:
+        return todo.popleft()
+    todo.remove(mine)
+    return mine
 
 
 def _reap(variable: str, value: str, spare: Iterable[int] = ()) -> None:

@@ -28,6 +28,8 @@ import ast
 import builtins
 import copy
 import json
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,10 +76,65 @@ class Runnable:
     notes: list[str] = field(default_factory=list)  # edits the grader undid
 
 
+MAX_BYTES = 32 << 20  # a notebook larger than this is not read (outputs included: 32 MiB)
+
+
+def load(path: Path) -> bytes:
+    """The bytes of the regular file at ``path``, or Rejected("invalid") saying why not.
+
+    Never through a symbolic link (``O_NOFOLLOW``: a link to ``/dev/zero``, to the
+    solution or to another learner's file is refused, not read), never blocking (a
+    FIFO), never more than :data:`MAX_BYTES`.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if Path(path).is_symlink():
+            raise Rejected("invalid", f"a symbolic link (to {_target(path)}), not a notebook: "
+                                      "hand in the file itself") from None
+        raise Rejected("invalid", f"could not be read: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+            raise Rejected("invalid", f"{kind}, not a notebook: hand in the file itself")
+        if info.st_size > MAX_BYTES:
+            raise Rejected("invalid", f"{info.st_size / 2**20:.0f} MiB, more than the "
+                                      f"{MAX_BYTES >> 20} MiB a notebook may be: clear its "
+                                      "outputs")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_BYTES + 1)
+    except OSError as exc:
+        raise Rejected("invalid", f"could not be read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_BYTES:
+        raise Rejected("invalid", f"more than the {MAX_BYTES >> 20} MiB a notebook may be")
+    return data
+
+
+def _target(path: Path) -> str:
+    try:
+        return safe_text(os.readlink(path))
+    except OSError:
+        return "somewhere unreadable"
+
+
+def safe_text(text: str) -> str:
+    """``text`` as it can be written anywhere: undecodable bytes and control characters as ?."""
+    text = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return "".join("?" if ord(c) < 32 or 127 <= ord(c) < 160 else c for c in text)
+
+
 def read(path: Path) -> nbformat.NotebookNode:
     """The notebook at ``path``, or Rejected("invalid") saying what is wrong with the file."""
+    return parse(load(path))
+
+
+def parse(data: bytes) -> nbformat.NotebookNode:
+    """A notebook from a file's bytes, or Rejected("invalid") saying what is wrong with them."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise Rejected("invalid", "the file is not text (not a notebook)") from None
     try:
@@ -85,12 +142,14 @@ def read(path: Path) -> nbformat.NotebookNode:
     except json.JSONDecodeError as exc:
         raise Rejected("invalid", f"not valid JSON (line {exc.lineno}: {exc.msg}): the "
                                   "file is damaged or not a notebook") from None
+    except RecursionError:
+        raise Rejected("invalid", "JSON nested too deeply: not a notebook") from None
     try:
         nb = nbformat.reads(json.dumps(raw), as_version=4)
         nbformat.validate(nb)
     except Exception as exc:  # noqa: BLE001 - nbformat raises several kinds
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise Rejected("invalid", f"not a valid notebook: {first}") from None
+        raise Rejected("invalid", f"not a valid notebook: {first[:200]}") from None
     return nb
 
 
@@ -150,8 +209,11 @@ def prepare(submission: nbformat.NotebookNode, solution: nbformat.NotebookNode,
     if not learner or not checks:
         raise ValueError(f"{name}: the solution has no cell tagged {EXERCISE_TAG!r} or "
                          f"{CHECK_TAG!r}")
-    problems = tampering([given[i].source for i in learner], setup,
-                         [solution.cells[i].source for i in learner], learner)
+    try:
+        problems = tampering([given[i].source for i in learner], setup,
+                             [solution.cells[i].source for i in learner], learner)
+    except (RecursionError, MemoryError):
+        raise Rejected("syntax", "your code is nested too deeply to be read") from None
     if problems:
         raise Rejected("tampered", "; ".join(problems[:3]) + ". A YOUR CODE cell may only "
                                    "define the exercise's functions (and helpers of your own)")

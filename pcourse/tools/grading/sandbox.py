@@ -1,0 +1,298 @@
+"""The jail a graded learner's code runs in: bubblewrap, an unprivileged id, a seccomp filter.
+
+The grader's engines (and ``mpiexec``, and anything they start) run inside
+:func:`prefix`, which
+
+- maps them to an unprivileged id (as root: bubblewrap keeps CAP_SETUID and CAP_SETGID
+  only long enough for ``setpriv`` to become uid/gid :data:`UID` with no groups; as an
+  ordinary user: a user namespace of bubblewrap's, uid :data:`UID` inside, the user's
+  own id outside), with no capabilities and ``no_new_privs``;
+- gives them namespaces of their own: mount, PID (they see and signal only each
+  other; all die with bubblewrap), network (a loopback of their own: they reach the
+  controller through a unix socket, ipyparallel's ``ipc://`` transport), IPC, UTS;
+- shows them a root of their own: read-only, the system's programs and libraries,
+  a few files of ``/etc`` (not ``shadow``), the Python and the venv, the taught
+  package (``pcourse/`` alone: no ``solutions/``, ``tests/``, ``.git``, no other
+  learner, no output folder, no kernel's connection file); writable, a private
+  ``/tmp`` and ``/dev/shm`` (size-limited tmpfs, gone with them) and the folder of
+  the controller's engine sockets;
+- filters system calls (:func:`seccomp_program`, a classic BPF program written
+  here: no new dependency): mount and its kin, ``umount``, ``pivot_root``,
+  ``chroot``, ``ptrace``, ``setns``, ``unshare`` and ``clone`` of any new namespace,
+  loading kernel code, ``bpf``, ``perf_event_open``, keyrings, ``userfaultfd``
+  fail with EPERM; a 32-bit system call on a 64-bit machine kills the process;
+- and runs under resource limits (:data:`LIMITS`: processes, address space per
+  process, file size, CPU seconds per process; rlimits, set by ``prlimit``).
+
+Where bubblewrap is missing (:func:`available` says why) the grader falls back to
+the weaker containment of :func:`pcourse.tools.cluster.launch.containment`, and
+every row it grades says so (:func:`pcourse.tools.grading.grade._isolation_notes`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import signal
+import struct
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+UID = 65534  # nobody: the id learner code runs as
+# rlimits of every process in the jail. Processes count every thread of the jail's
+# uid on the machine, every worker's jail together (as an ordinary user: all the
+# user's, so it is added to what runs now); torch starts a thread per core in each
+# engine, hence per core. Memory is address space per process (torch reserves a few
+# GiB); CPU seconds per process, for all of one learner's notebooks.
+LIMITS = {"nproc": max(1024, 256 * (os.cpu_count() or 1)), "as": 16 << 30,
+          "fsize": 256 << 20, "cpu": 1800, "core": 0}
+TMP_SIZE = 1 << 30  # bytes of the jail's /tmp
+SHM_SIZE = 4 << 30  # and of its /dev/shm (MPICH's shared-memory segments)
+ETC = ("passwd", "group", "hosts", "nsswitch.conf", "ld.so.cache", "ld.so.conf",
+       "ld.so.conf.d", "localtime", "alternatives", "host.conf")
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+
+def bwrap() -> str | None:
+    return shutil.which("bwrap")
+
+
+def available() -> tuple[bool, str]:
+    """Can learner code be jailed here? ``(True, "")``, else ``(False, why)``."""
+    if sys.platform != "linux":
+        return False, "bubblewrap runs on Linux only"
+    if bwrap() is None:
+        return False, ("bubblewrap (`bwrap`) is not installed (Debian/Ubuntu: "
+                       "apt-get install bubblewrap)")
+    if shutil.which("prlimit") is None or (os.geteuid() == 0 and not shutil.which("setpriv")):
+        return False, "util-linux's `prlimit`/`setpriv` are missing"
+    if seccomp_program() is None:
+        return False, f"no seccomp filter written for {platform.machine()}"
+    return True, ""
+
+
+# ---------------------------------------------------------------- seccomp, by hand
+
+# (audit arch, {name: number}) per machine; numbers from the kernel's syscall tables.
+_COMMON = {"open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
+           "fsmount": 432, "fspick": 433, "mount_setattr": 442}
+_ARCH = {
+    "x86_64": (0xC000003E, {"mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161,
+                            "ptrace": 101, "setns": 308, "unshare": 272, "kexec_load": 246,
+                            "kexec_file_load": 320, "init_module": 175, "finit_module": 313,
+                            "delete_module": 176, "bpf": 321, "perf_event_open": 298,
+                            "keyctl": 250, "add_key": 248, "request_key": 249,
+                            "userfaultfd": 323, "swapon": 167, "swapoff": 168, "reboot": 169,
+                            "acct": 163, **_COMMON}, 56),
+    "aarch64": (0xC00000B7, {"mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51,
+                             "ptrace": 117, "setns": 268, "unshare": 97, "kexec_load": 104,
+                             "kexec_file_load": 294, "init_module": 105, "finit_module": 273,
+                             "delete_module": 106, "bpf": 280, "perf_event_open": 241,
+                             "keyctl": 219, "add_key": 217, "request_key": 218,
+                             "userfaultfd": 282, "swapon": 224, "swapoff": 225, "reboot": 142,
+                             "acct": 89, **_COMMON}, 220),
+}
+CLONE3 = 435  # refused with ENOSYS: its flags are in memory a filter cannot read; libc
+#               then falls back to clone, whose flags it can
+CLONE_NEW = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+_LD_W_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
+_ALLOW, _KILL, _ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
+EPERM, ENOSYS = 1, 38
+
+
+def seccomp_program(machine: str | None = None) -> bytes | None:
+    """The jail's filter, as the ``struct sock_filter`` array bubblewrap's ``--seccomp`` reads.
+
+    None on a machine without a table above. Layout: check the architecture (else
+    kill), refuse x32 numbers, refuse each listed call, check clone's flags, allow.
+    """
+    arch = _ARCH.get(machine or platform.machine())
+    if arch is None:
+        return None
+    audit, calls, clone = arch
+    denied = sorted(set(calls.values()))
+    code: list[tuple[int, int, int, int]] = [
+        (_LD_W_ABS, 0, 0, 4), (_JEQ, 1, 0, audit), (_RET, 0, 0, _KILL), (_LD_W_ABS, 0, 0, 0)]
+    # then: one check per denied call (x32 numbers first), clone3, clone, and the tail
+    denies = [(_JGE, 0x40000000), *((_JEQ, nr) for nr in denied)]
+    first = len(code)
+    clone3_at = first + len(denies)
+    allow, enosys, deny = clone3_at + 4, clone3_at + 5, clone3_at + 6
+    for i, (op, k) in enumerate(denies):
+        code.append((op, deny - (first + i) - 1, 0, k))
+    code.append((_JEQ, enosys - clone3_at - 1, 0, CLONE3))
+    code.append((_JEQ, 0, allow - (clone3_at + 1) - 1, clone))  # not clone: allow
+    code.append((_LD_W_ABS, 0, 0, 16))  # clone's flags: the low half of args[0]
+    code.append((_JSET, deny - (clone3_at + 3) - 1, 0, CLONE_NEW))
+    code.append((_RET, 0, 0, _ALLOW))
+    code.append((_RET, 0, 0, _ERRNO | ENOSYS))
+    code.append((_RET, 0, 0, _ERRNO | EPERM))
+    assert len(code) == deny + 1 and deny - first < 256
+    return b"".join(struct.pack("=HBBI", *ins) for ins in code)
+
+
+# ---------------------------------------------------------------- the view
+
+def _package() -> Path:
+    """The folder of the ``pcourse`` package (not the course folder holding it)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def _pythons() -> list[Path]:
+    """What the engines' Python needs: the venv, its base Python, the executable's folder."""
+    found = {Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).resolve().parents[1]}
+    return sorted(p.resolve() for p in found)
+
+
+def view(extra: Sequence[Path] = ()) -> list[str]:
+    """bubblewrap's arguments for the jail's root: read-only binds and private tmpfs."""
+    args: list[str] = []
+    for d in SYSTEM:
+        if os.path.islink(d):
+            args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    args += ["--perms", "0755", "--dir", "/etc"]
+    for name in ETC:
+        p = Path("/etc") / name
+        if p.exists():
+            args += ["--ro-bind", str(p), str(p)]
+    args += ["--ro-bind", "/sys", "/sys"]  # hwloc and UCX read the machine's topology
+    readable = {p.resolve() for p in [*_pythons(), _package(), *map(Path, extra)]}
+    outer = sorted(p for p in readable if p.exists()
+                   and not any(q != p and p.is_relative_to(q) for q in readable))
+    args += parents(outer)
+    for p in outer:
+        args += ["--ro-bind", str(p), str(p)]
+    args += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "01777", "--size", str(TMP_SIZE), "--tmpfs", "/tmp",
+             "--perms", "01777", "--size", str(SHM_SIZE), "--tmpfs", "/dev/shm"]
+    return args
+
+
+def parents(paths: Sequence[Path]) -> list[str]:
+    """Folders on the way to ``paths``, made searchable (bubblewrap makes them 0700 as root)."""
+    mounted = {Path("/"), Path("/tmp"), Path("/dev"), Path("/dev/shm")}  # the jail's own
+    found = {a for p in paths for a in Path(p).parents if a not in mounted}
+    return [arg for a in sorted(found, key=lambda a: len(a.parts))
+            for arg in ("--perms", "0755", "--dir", str(a))]
+
+
+def prefix(folder: Path, sockets: Path, filter_file: Path, extra: Sequence[Path] = ()
+           ) -> list[str]:
+    """The command that runs the engines' ``mpiexec ...`` (appended to it) in the jail.
+
+    ``folder`` is the cluster's own (its profile: the engines are told its path and find
+    an empty, writable folder there), ``sockets`` the controller's engine sockets (the
+    only folder of the machine the jail may write), ``filter_file`` where the seccomp
+    program is written (outside the jail's view), ``extra`` more read-only folders
+    (``mpiexec``'s, where it is not in the venv).
+    """
+    program = seccomp_program()
+    if program is None or bwrap() is None:
+        raise RuntimeError(available()[1])
+    Path(filter_file).write_bytes(program)
+    nproc = LIMITS["nproc"] + (0 if os.geteuid() == 0 else _my_threads())
+    limits = [f"--{k}={nproc if k == 'nproc' else v}" for k, v in LIMITS.items()]
+    jail = [bwrap(), "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+            *view(extra), *parents([folder, sockets]),
+            "--perms", "01777", "--size", str(1 << 20), "--tmpfs", str(folder),
+            "--bind", str(sockets), str(sockets), "--chdir", "/tmp",
+            "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp", "--seccomp", "9"]
+    if os.geteuid() == 0:  # become nobody (setpriv), then nothing can be regained
+        jail += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
+                 "--", shutil.which("setpriv"), f"--reuid={UID}", f"--regid={UID}",
+                 "--clear-groups", "--inh-caps=-all"]
+    else:  # a user namespace of bubblewrap's: nobody inside, this user outside
+        jail += ["--unshare-user", "--uid", str(UID), "--gid", str(UID), "--cap-drop", "ALL",
+                 "--"]
+    # fd 9: the filter, opened by the shell that execs prlimit, which execs bubblewrap
+    return ["sh", "-c", 'exec 9<"$0"; exec "$@"', str(filter_file), shutil.which("prlimit"),
+            *limits, "--", *jail]
+
+
+def _my_threads() -> int:
+    """Threads this user runs now (RLIMIT_NPROC counts them all, outside the jail too)."""
+    uid, count = os.getuid(), 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid == uid:
+                count += len(os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            continue
+    return count
+
+
+def jail(folder: Path) -> dict[str, list[str]]:
+    """What :func:`pcourse.tools.cluster.start_cluster` needs to start a cluster in the jail.
+
+    The controller runs outside, as the grader, with no task database (ipyparallel's
+    NoDB: nothing of an earlier notebook to read) and its engine sockets in
+    ``folder/sockets``, a folder the jail may write (:mod:`pcourse.tools.grading.controller`
+    creates them so that ``nobody`` may connect; ``folder`` itself is the grader's alone). Its
+    connection files stay in ``folder/security``, which the jail never sees.
+    """
+    sockets = Path(folder) / "sockets"
+    sockets.mkdir(mode=0o755, exist_ok=True)
+    os.chmod(sockets, 0o777)
+    return {"prefix": prefix(folder, sockets, Path(folder) / "seccomp.bpf"),
+            "controller_cmd": [sys.executable, "-m", "pcourse.tools.grading.controller"],
+            "controller_args": ["--nodb", "--IPController.engine_transport=ipc",
+                                f"--IPController.engine_ip={sockets / 'e'}"]}
+
+
+# ---------------------------------------------------------------- waiting for the jail to end
+
+def namespaces(mc: Any) -> set[int]:
+    """The PID namespaces of a jailed cluster's MPI jobs (their ``/proc/PID/ns/pid`` inodes).
+
+    bubblewrap (the launcher's process) forks the jail's first process; its namespace
+    holds everything learner code can start.
+    """
+    import psutil
+
+    found = set()
+    for launcher in list(mc.cluster.engines.values()):
+        pid = getattr(launcher, "pid", None)
+        try:
+            for child in psutil.Process(pid).children() if pid else []:
+                found.add(os.stat(f"/proc/{child.pid}/ns/pid").st_ino)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def end(spaces: set[int], timeout: float = 30.0) -> None:
+    """Kill every process left in ``spaces`` (PID namespaces) and wait until none is left.
+
+    Killing bubblewrap kills the jail's first process, but bubblewrap's init waits for
+    every process of its namespace, and one that detached (``setsid``) keeps the jail
+    alive: so each is killed here, by its namespace, until none is left. RuntimeError
+    after ``timeout``. The grader writes nothing before they are gone.
+    """
+    deadline = time.monotonic() + timeout
+    while spaces and (left := _members(spaces)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {sorted(left)[:5]} of a jail outlived it")
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue
+        time.sleep(0.05)
+
+
+def _members(spaces: set[int]) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}/ns/pid").st_ino in spaces:
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
