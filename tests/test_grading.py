@@ -597,6 +597,8 @@ def _jailed() -> None:
 
     ok, why = sandbox.available()
     if not ok:
+        if os.environ.get("PCOURSE_REQUIRE_SANDBOX"):  # CI: a missing jail fails, never skips
+            pytest.fail(f"PCOURSE_REQUIRE_SANDBOX is set but there is no jail here: {why}")
         pytest.skip(f"no jail here ({why}): every row says so instead")
 
 

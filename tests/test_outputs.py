@@ -24,12 +24,7 @@ EVERY = [Path("index.ipynb")] + [e.path for folder in course.FOLDERS
 # Outputs that break a rule and wait for their owner's fix (then for `make lessons`):
 # (notebook, rule) -> who and why. Every other rule is still checked in that notebook, and
 # once fixed the entry fails until it is removed here.
-KNOWN: dict[tuple[str, str], str] = {
-    ("notebooks/07_what_ddp_does.ipynb", "a development target"):
-        "review 2026-12-05 L07-1, the lessons' fixer",
-    ("notebooks/06_mnist_vae.ipynb", "a path of this machine"):
-        "cell 5 prints MNIST's folder; the lessons' fixer (lesson 06's cells)",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 # ---------------------------------------------------------------- outputs from the code as it is

@@ -281,7 +281,7 @@ def test_readme_and_the_guide_say_how_many_engines_the_grader_starts():
     assert n == max(GRADER_SIZES), "the grader's clusters must hold its largest check"
     readme = " ".join((REPO / "README.md").read_text().split())
     guide = " ".join((REPO / "INSTRUCTORS.md").read_text().split())
-    assert f"one cluster of {n} MPI engines" in readme
+    assert f"a fresh cluster of {n} MPI engines" in readme
     assert f"under the grader at {max(GRADER_SIZES)} as well" in readme
     assert f"its own kernel and {n} engines" in guide
 

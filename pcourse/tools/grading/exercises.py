@@ -100,6 +100,7 @@ def solution_regions(nb: nbformat.NotebookNode) -> list[str]:
 def generate(solution: nbformat.NotebookNode, name: str = "notebook") -> nbformat.NotebookNode:
     """The exercise notebook for one solution notebook."""
     nb = copy.deepcopy(solution)
+    nb.metadata.pop("pcourse", None)  # the solution's outputs stamp: an exercise has none
     for i, cell in enumerate(nb.cells):
         cell.metadata.pop("execution", None)  # timestamps: noise in every diff
         if cell.cell_type != "code":
