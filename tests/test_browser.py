@@ -173,6 +173,14 @@ def _open_from_index(page, url: str, link_text: str, file_name: str) -> None:
     """Click a link in the index, as a learner does; wait for the notebook's tab."""
     _land_on_index(page, url)
     page.locator(f"{CURRENT} .jp-MarkdownOutput a", has_text=link_text).first.click()
+    tab = page.locator(".lm-TabBar-tab", has_text=file_name).first
+    tab.wait_for()
+    # The click also focused the index's cell, and JupyterLab can hand the front back to
+    # the index an instant after the notebook's tab opened (seen on loaded and idle
+    # machines alike): once what is in front has settled (its kernel idle), bring the
+    # notebook forward by its tab, as a learner would.
+    _idle(page)
+    tab.click()
     page.locator(".lm-TabBar-tab.lm-mod-current", has_text=file_name).first.wait_for()
 
 

@@ -162,15 +162,17 @@ def view(extra: Sequence[Path] = ()) -> list[str]:
         if p.exists():
             args += ["--ro-bind", str(p), str(p)]
     args += ["--ro-bind", "/sys", "/sys"]  # hwloc and UCX read the machine's topology
+    # The private /tmp first, the course's binds after: a course (and its venv) that lives
+    # under /tmp, as a CI checkout may, is then mounted over the empty tmpfs, not hidden.
+    args += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "01777", "--size", str(TMP_SIZE), "--tmpfs", "/tmp",
+             "--perms", "01777", "--size", str(SHM_SIZE), "--tmpfs", "/dev/shm"]
     readable = {p.resolve() for p in [*_pythons(), _package(), *map(Path, extra)]}
     outer = sorted(p for p in readable if p.exists()
                    and not any(q != p and p.is_relative_to(q) for q in readable))
     args += parents(outer)
     for p in outer:
         args += ["--ro-bind", str(p), str(p)]
-    args += ["--proc", "/proc", "--dev", "/dev",
-             "--perms", "01777", "--size", str(TMP_SIZE), "--tmpfs", "/tmp",
-             "--perms", "01777", "--size", str(SHM_SIZE), "--tmpfs", "/dev/shm"]
     return args
 
 
