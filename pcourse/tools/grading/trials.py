@@ -424,7 +424,9 @@ def on_ranks(ranks: int, fn: Callable, args: tuple, kwargs: dict) -> dict | None
         return {"rank": rank, "error": (type(exc).__name__, str(exc), _learner_tb(exc))}
     finally:
         _current = None
-    comm.Free()  # only when nothing is pending on it
+    # Never freed: a trial that returned with a message unreceived (a broadcast skipped on
+    # one rank) leaves it on this context, and a freed context is handed to the next Dup,
+    # where the next trial (the next learner's, on a shared cluster) would receive it.
     return {"rank": rank, "value": value}
 
 
