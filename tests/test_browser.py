@@ -170,18 +170,36 @@ def _land_on_index(page, url: str) -> None:
 
 
 def _open_from_index(page, url: str, link_text: str, file_name: str) -> None:
-    """Click a link in the index, as a learner does; wait for the notebook's tab."""
+    """Click a link in the index, as a learner does; then close the index and bring the
+    notebook forward by its tab.
+
+    The click also makes the index's cell active, and JupyterLab can give the index the
+    focus back seconds after the notebook's tab opened (seen on loaded machines, and
+    once the notebook's tab was already current): Run All then runs the index. Closed,
+    the index cannot come forward again.
+    """
     _land_on_index(page, url)
     page.locator(f"{CURRENT} .jp-MarkdownOutput a", has_text=link_text).first.click()
     tab = page.locator(".lm-TabBar-tab", has_text=file_name).first
     tab.wait_for()
-    # The click also focused the index's cell, and JupyterLab can hand the front back to
-    # the index an instant after the notebook's tab opened (seen on loaded and idle
-    # machines alike): once what is in front has settled (its kernel idle), bring the
-    # notebook forward by its tab, as a learner would.
-    _idle(page)
+    _close(page, "index.ipynb")
     tab.click()
     page.locator(".lm-TabBar-tab.lm-mod-current", has_text=file_name).first.wait_for()
+    page.locator(f"{CURRENT} .jp-Notebook").first.wait_for()
+
+
+def _close(page, file_name: str, timeout_s: float = 60) -> None:
+    """Close a notebook's tab, discarding its changes when JupyterLab asks (the index's
+    kernel rewrote its metadata: language_info gains the Python version)."""
+    tab = page.locator(".lm-TabBar-tab", has_text=file_name)
+    discard = page.locator(".jp-Dialog button", has_text="Discard")
+    tab.locator(".lm-TabBar-tabCloseIcon").click()
+    deadline = time.monotonic() + timeout_s
+    while tab.count() and time.monotonic() < deadline:
+        if discard.count():
+            discard.first.click()
+        time.sleep(0.2)
+    assert not tab.count(), f"{file_name}'s tab did not close within {timeout_s:.0f} s"
 
 
 def _idle(page) -> None:
@@ -206,7 +224,26 @@ def _run_all_fresh(page) -> None:
     assert not any(t.strip() for t in _outputs(page)), "outputs left after clearing"
     assert not started.count(), "execution counts left after clearing"
     _menu(page, "Run", "Run All Cells")
-    started.first.wait_for(state="attached", timeout=RUN_TIMEOUT * 1000)  # loaded machines are slow
+    try:
+        started.first.wait_for(state="attached", timeout=RUN_TIMEOUT * 1000)  # loaded: slow
+    except Exception:
+        _diagnose(page)
+        raise
+
+
+def _diagnose(page) -> None:
+    """What the page shows when a wait ran out: a screenshot and the state a human would read."""
+    ARTEFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTEFACTS / "failed.png"))
+    print(f"screenshot: {ARTEFACTS / 'failed.png'}")
+    for what, selector in [("tabs", ".lm-TabBar-tab"),
+                           ("current tab", ".lm-TabBar-tab.lm-mod-current"),
+                           ("status bar", ".jp-StatusBar-TextItem"), ("dialogs", ".jp-Dialog"),
+                           ("prompts in front", f"{CURRENT} .jp-InputPrompt")]:
+        print(f"{what}: {page.locator(selector).all_text_contents()}")
+    print("panels' classes:", page.locator(".jp-NotebookPanel").evaluate_all(
+        "els => els.map(e => [e.className, e.style.cssText])"))
+    print("focused:", page.evaluate("document.activeElement && document.activeElement.className"))
 
 
 def _wait_done(page, timeout_s: float = RUN_TIMEOUT) -> None:
@@ -215,6 +252,8 @@ def _wait_done(page, timeout_s: float = RUN_TIMEOUT) -> None:
     busy = page.locator(f"{CURRENT} .jp-InputPrompt", has_text="[*]")
     while busy.count() and time.monotonic() < deadline:
         time.sleep(1)
+    if busy.count():
+        _diagnose(page)
     assert not busy.count(), f"cells still running after {timeout_s:.0f} s"
     _idle(page)
 

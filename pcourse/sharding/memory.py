@@ -11,11 +11,8 @@ state reaches at its peak.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +20,7 @@ from torch import nn
 
 from pcourse.sharding.fsdp import FullyShardedDataParallel
 from pcourse.sharding.zero import IN_FLIGHT, ShardedOptimizer
+from pcourse.utils.profiler import chrome_events
 
 __all__ = ["peak_bytes", "peak_theory_bytes", "state_bytes", "theory_bytes"]
 
@@ -120,13 +118,7 @@ def peak_bytes(step: Callable[[], Any]) -> int:
     os.environ.setdefault("KINETO_LOG_LEVEL", "9")  # no start/stop lines on stderr
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    fd, tmp = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(tmp)
-        events = json.loads(Path(tmp).read_text())["traceEvents"]
-    finally:
-        os.unlink(tmp)
+    events = chrome_events(prof)
     totals = [(e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in
               sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])]
     if not totals:

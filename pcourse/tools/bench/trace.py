@@ -53,7 +53,6 @@ def record_step(workload: str = "mnist", backend: str = "gloo", cap: int = MiB,
     with the same arguments.
     """
     import copy
-    import tempfile
 
     import torch
     from mpi4py import MPI
@@ -62,6 +61,7 @@ def record_step(workload: str = "mnist", backend: str = "gloo", cap: int = MiB,
     from pcourse.backends import make_backend
     from pcourse.buckets import BucketedAllreduce, profiler_hook
     from pcourse.tools.bench.steps import workload_config
+    from pcourse.utils.profiler import chrome_events
     from pcourse.workloads import make_workload
     from pcourse.workloads.config import batch_sizes
 
@@ -102,13 +102,7 @@ def record_step(workload: str = "mnist", backend: str = "gloo", cap: int = MiB,
             step()
         reducer.remove()
         buckets = len(reducer.buckets)
-    fd, tmp = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(tmp)
-        raw = json.loads(Path(tmp).read_text())["traceEvents"]
-    finally:
-        os.unlink(tmp)
+    raw = chrome_events(prof)
     return {"rank": comm.rank, "buckets": buckets, "overlap": overlap, "backend": backend,
             "workload": workload, "cap": cap, "drive_progress": drive_progress,
             "events": _keep(raw)}

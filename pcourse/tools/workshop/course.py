@@ -32,6 +32,7 @@ added, renamed or removed without it.
 
 from __future__ import annotations
 
+import argparse
 import re
 import tomllib
 from dataclasses import dataclass
@@ -46,6 +47,17 @@ REGISTRY = "course.toml"  # in the course's folder
 _KEYS = {"lesson": {"notebook", "teaches", "modules"}, "exercise": {"notebook", "after"}}
 _FOLDER_OF = {"lesson": "notebooks", "exercise": "exercises"}
 _NAME = re.compile(r"^(\d\d)_\w+\.ipynb$")
+# Seconds one cell may run when a tool executes a notebook: full mode trains for many
+# minutes in one cell.
+CELL_TIMEOUT = 3600
+
+
+def add_execution_options(parser: argparse.ArgumentParser) -> None:
+    """``--cell-timeout`` and ``--course``: what every tool that executes the course's
+    notebooks (timings, outputs) takes, with the same names and defaults."""
+    parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT, metavar="S")
+    parser.add_argument("--course", "--root", dest="root", type=Path, metavar="DIR",
+                        help="the course's folder (default: the current folder)")
 
 
 class RegistryError(ValueError):

@@ -56,14 +56,13 @@ from pathlib import Path
 
 import nbformat
 
-from pcourse.tools.workshop.course import entries
+from pcourse.tools.workshop.course import CELL_TIMEOUT, add_execution_options, entries
 from pcourse.utils.io import atomic_write, course_from
 
 PACKAGE = "pcourse"
 KEY = "pcourse"  # the notebook metadata's namespace: metadata.pcourse.fingerprint
 STAMPED = ("notebooks", "solutions")  # what runs; exercises are saved unrun, the index
 #                                       holds no code
-CELL_TIMEOUT = 3600  # seconds, as pcourse.tools.workshop.timings
 CELLS = "(its code cells)"  # the notebook's own code, beside the modules it imports
 _NAMED = re.compile(rf"\b{PACKAGE}(?:\.\w+)+")  # a module named in code a parser cannot read
 
@@ -349,9 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(what the fingerprint cannot see changed: data, torch, the machine)")
     parser.add_argument("notebooks", nargs="*", type=Path, metavar="NB",
                         help="only these (default: every lesson and solution)")
-    parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT, metavar="S")
-    parser.add_argument("--course", "--root", dest="root", type=Path, metavar="DIR",
-                        help="the course's folder (default: the current folder)")
+    add_execution_options(parser)
     args = parser.parse_args(argv)
     root = course_from(parser, args.root)
     every = stamped_notebooks(root)

@@ -37,11 +37,10 @@ import psutil
 
 from pcourse.runtime.ranks import MPI_RANK_VARS, gpu_count
 from pcourse.tools.workshop import render
-from pcourse.tools.workshop.course import entries
+from pcourse.tools.workshop.course import CELL_TIMEOUT, add_execution_options, entries
 from pcourse.utils.io import atomic_write, course_folder, course_from
 
 DATA = Path("docs") / "lesson_timings.json"
-CELL_TIMEOUT = 3600  # seconds; full mode trains for many minutes in one cell
 _FULL_FLAG = re.compile(r"^FULL\s*=\s*False\b", re.M)
 
 
@@ -211,9 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="time only these notebooks (e.g. 05_franke 01_partitioner)")
     parser.add_argument("--render", action="store_true",
                         help="only rewrite the tables from the stored measurements")
-    parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT, metavar="S")
-    parser.add_argument("--course", "--root", dest="root", type=Path, metavar="DIR",
-                        help="the course's folder (default: the current folder)")
+    add_execution_options(parser)
     args = parser.parse_args(argv)
     root = course_from(parser, args.root)
     # Engines are launched with the venv's mpiexec, beside this Python.
