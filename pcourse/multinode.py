@@ -12,12 +12,17 @@ per engine: the NCCL backends need that) writes ``#SBATCH --gpus-per-task=N``, `
 ``#SBATCH --gres=...``. :class:`SlurmGPUEngineSetLauncher` is ipyparallel's Slurm
 launcher that writes them; :func:`configure_gpus` sets a cluster up to use it.
 
-Lesson 09 explains hostfiles, schedulers and the interface variables.
+:func:`torchrun_allreduce` is one rank of torch's own launcher at work (``torchrun
+--standalone --nproc-per-node=N -m pcourse.multinode``): no MPI, the rank and the
+meeting point from the variables torchrun sets.
+
+Lesson 09 explains hostfiles, schedulers, torchrun and the interface variables.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import tempfile
@@ -131,3 +136,31 @@ def slurm_engine_script(n: int, timelimit: str = "00:30:00", queue: str | None =
         text = Path(launcher.batch_file).read_text()
         text = text.replace(tmp, "<work_dir>").replace(sys.executable, "python")
     return re.sub(r"-demo-\d+\.log", "-demo-<pid>.log", text)
+
+
+def torchrun_allreduce() -> None:
+    """One rank under torchrun: a Gloo allreduce of ``rank + 1``, one line saying what it saw.
+
+    torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+    ``MASTER_PORT``; the Gloo backend reads them (``env://``) when no MPI started the
+    process. The line is written in one call, so the ranks' lines never interleave
+    mid-line; nothing run-specific (the port) is printed.
+    """
+    import torch
+
+    from pcourse.backends import make_backend
+    from pcourse.runtime.ranks import launcher
+
+    with make_backend("gloo") as be:
+        total = torch.tensor([be.rank + 1.0])
+        be.allreduce(total, "sum")
+        meeting = all(v in os.environ for v in ("MASTER_ADDR", "MASTER_PORT"))
+        sys.stdout.write(f"rank {be.rank} of {be.size}: started by {launcher()}, "
+                         f"LOCAL_RANK={os.environ['LOCAL_RANK']}, MASTER_ADDR and MASTER_PORT "
+                         f"set: {meeting}; sum of rank + 1 over the ranks: {total.item():g} "
+                         f"(n(n+1)/2 = {be.size * (be.size + 1) / 2:g})\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    torchrun_allreduce()
