@@ -54,3 +54,25 @@ def test_diagnose_without_namespaces():
     assert netns.diagnose(ok) == "ok"
     bad = netns.RankOutcome(1, "b", "lo", None, None, "no answer by the deadline: killed", None)
     assert "deadline" in netns.diagnose(bad)
+
+
+@needs_netns
+@pytest.mark.parametrize("one_node", [False, True], ids=["across", "one_node"])
+def test_pingpong_times_every_size_on_the_path_it_names(nodes, one_node):
+    sizes = [16, 4096, 65536]
+    outcomes = netns.run_pingpong(nodes, sizes=sizes, repeats=3, timeout=30, one_node=one_node)
+    for o in outcomes:  # each rank checked that the echo came back unchanged
+        assert o.error is None, o
+    assert [size for size, _ in outcomes[0].result] == sizes
+    assert all(seconds > 0 for _, seconds in outcomes[0].result)
+    # across: rank 1 in node B over its veth; one node: both in A over lo
+    assert [o.namespace for o in outcomes] == ([nodes.names[0]] * 2 if one_node
+                                               else list(nodes.names))
+    assert [o.address for o in outcomes] == (["127.0.0.1"] * 2 if one_node else list(nodes.addrs))
+
+
+def test_pingpong_refuses_sizes_it_cannot_send():
+    made = netns.Nodes(("pc-a-0", "pc-b-0"))
+    for sizes, repeats in (([], 3), ([6], 3), ([-4], 3), ([16], 0)):
+        with pytest.raises(ValueError, match="multiples of 4 bytes"):
+            netns.run_pingpong(made, sizes=sizes, repeats=repeats)

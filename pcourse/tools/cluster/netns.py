@@ -131,7 +131,7 @@ class RankOutcome:
     rank: int
     namespace: str
     ifname: str
-    result: list[float] | None
+    result: list | None  # the allreduced values, or the ping-pong's [size, seconds] rows
     address: str | None  # the address Gloo chose for this rank
     error: str | None
     seconds: float | None
@@ -146,14 +146,47 @@ def run_allreduce(nodes: Nodes, ifnames: Sequence[str] | None = None, timeout: f
     GLOO_SOCKET_IFNAME (default: its veth). Both ranks have ``timeout`` seconds to
     meet; their processes are killed and reaped whatever happens.
     """
-    ifnames = list(ifnames or nodes.ifnames)
+    return _run_ranks(nodes, list(ifnames or nodes.ifnames), timeout, port, {})
+
+
+PINGPONG_SIZES = tuple(4 ** k for k in range(2, 11))  # bytes: 16 B to 1 MiB
+PINGPONG_REPEATS = 30
+
+
+def run_pingpong(nodes: Nodes, sizes: Sequence[int] = PINGPONG_SIZES,
+                 repeats: int = PINGPONG_REPEATS, timeout: float = 60.0,
+                 port: int = PORT, one_node: bool = False) -> list[RankOutcome]:
+    """A Gloo ping-pong between the namespaces, one rank in each, over the veth; with
+    ``one_node``, both ranks in the first namespace over its ``lo``, the same code on
+    one "node", to set beside it.
+
+    For each size (bytes, a multiple of 4: float32), rank 0 sends and rank 1 sends
+    back, ``repeats`` times after two unmeasured round trips; rank 0's ``result`` is
+    ``[[size, median one-way seconds], ...]`` (half of each round trip), what
+    :func:`pcourse.collectives.fit_alpha_beta` fits α and β to, as lesson 03 does on
+    one machine.
+    """
+    if not sizes or any(n <= 0 or n % 4 for n in sizes) or repeats < 1:
+        raise ValueError(f"sizes must be positive multiples of 4 bytes and repeats >= 1, got "
+                         f"{list(sizes)} and {repeats}")
+    job = {"PCOURSE_NETNS_JOB": "pingpong", "PCOURSE_NETNS_SIZES": ",".join(map(str, sizes)),
+           "PCOURSE_NETNS_REPEATS": str(repeats)}
+    if one_node:
+        nodes = Nodes((nodes.names[0],) * 2, ("lo", "lo"), ("127.0.0.1",) * 2)
+    return _run_ranks(nodes, list(nodes.ifnames), timeout, port, job)
+
+
+def _run_ranks(nodes: Nodes, ifnames: list[str], timeout: float, port: int,
+               job: dict[str, str]) -> list[RankOutcome]:
+    """Start one rank per namespace (``python -m`` this module), collect their reports."""
     procs = []
     with ends_with_launcher():  # a SIGTERM to us ends the ranks too
         try:
             for rank, ns in enumerate(nodes.names):
                 env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
                        "MASTER_ADDR": nodes.addrs[0], "MASTER_PORT": str(port),
-                       "GLOO_SOCKET_IFNAME": ifnames[rank], "PCOURSE_NETNS_TIMEOUT": str(timeout)}
+                       "GLOO_SOCKET_IFNAME": ifnames[rank], "PCOURSE_NETNS_TIMEOUT": str(timeout),
+                       **job}
                 cmd = ["ip", "netns", "exec", ns, sys.executable, "-m",
                        "pcourse.tools.cluster.netns"]
                 procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
@@ -236,14 +269,49 @@ def _rank_main() -> None:
     try:
         dist.init_process_group("gloo", init_method="env://",
                                 timeout=timedelta(seconds=timeout))
-        t = torch.full((4,), float(rank + 1))
-        dist.all_reduce(t)
-        report = {"result": t.tolist(), "address": _my_address()}
+        if os.environ.get("PCOURSE_NETNS_JOB") == "pingpong":
+            result = pingpong(rank, [int(n) for n in os.environ["PCOURSE_NETNS_SIZES"].split(",")],
+                               int(os.environ["PCOURSE_NETNS_REPEATS"]))
+        else:
+            t = torch.full((4,), float(rank + 1))
+            dist.all_reduce(t)
+            result = t.tolist()
+        report = {"result": result, "address": _my_address()}
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
         report = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
     report["seconds"] = round(time.monotonic() - start, 2)
     print(json.dumps(report), flush=True)
+
+
+def pingpong(rank: int, sizes: list[int], repeats: int) -> list[list[float]]:
+    """Rank 0's median one-way time per size: half of each send-and-receive-back.
+
+    Rank 0 sends one buffer and receives into another, and checks at the end that what
+    came back is what it sent: the time is of bytes that really crossed.
+    """
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    peer, rows = 1 - rank, []
+    for size in sizes:
+        out, back, halves = torch.full((size // 4,), float(size)), torch.zeros(size // 4), []
+        for i in range(repeats + 2):  # the first two set up the connection's buffers
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(out, peer)
+                dist.recv(back, peer)
+            else:
+                dist.recv(back, peer)
+                dist.send(back, peer)
+            if i >= 2:
+                halves.append((time.perf_counter() - start) / 2)
+        if not torch.equal(back, out):
+            raise RuntimeError(f"the {size}-byte message came back changed")
+        rows.append([size, statistics.median(halves)])
+    return rows
 
 
 def _my_address() -> str:
