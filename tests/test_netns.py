@@ -76,3 +76,22 @@ def test_pingpong_refuses_sizes_it_cannot_send():
     for sizes, repeats in (([], 3), ([6], 3), ([-4], 3), ([16], 0)):
         with pytest.raises(ValueError, match="multiples of 4 bytes"):
             netns.run_pingpong(made, sizes=sizes, repeats=repeats)
+    for size in (0, 6, -4):
+        with pytest.raises(ValueError, match="multiple of 4 bytes"):
+            netns.run_node_aware(made, size=size)
+
+
+@needs_netns
+def test_node_aware_allreduce_sends_less_over_the_cable_than_the_flat_ring(nodes):
+    size = 1 << 20
+    outcomes = netns.run_node_aware(nodes, size=size, timeout=30)
+    for o in outcomes:
+        assert o.error is None, o
+        assert o.result["correct"], o  # 1 + 2 + 3 + 4 on every rank, both ways
+    assert [o.namespace for o in outcomes] == [nodes.names[0]] * 2 + [nodes.names[1]] * 2
+    for first in (0, 2):  # each node's veth, read by its first rank
+        sent = outcomes[first].result
+        # a ring over 4 ranks sends 1.5 N on each crossing link, two leaders N; TCP's
+        # headers and the barriers add a few percent, never a tenth of N
+        assert 1.5 * size <= sent["flat"] < 1.6 * size, sent
+        assert 1.0 * size <= sent["node_aware"] < 1.1 * size, sent

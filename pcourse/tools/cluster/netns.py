@@ -151,6 +151,7 @@ def run_allreduce(nodes: Nodes, ifnames: Sequence[str] | None = None, timeout: f
 
 PINGPONG_SIZES = tuple(4 ** k for k in range(2, 11))  # bytes: 16 B to 1 MiB
 PINGPONG_REPEATS = 30
+NODE_AWARE_BYTES = 4 << 20  # one allreduce of 4 MiB: the counters' TCP overhead stays small
 
 
 def run_pingpong(nodes: Nodes, sizes: Sequence[int] = PINGPONG_SIZES,
@@ -176,14 +177,36 @@ def run_pingpong(nodes: Nodes, sizes: Sequence[int] = PINGPONG_SIZES,
     return _run_ranks(nodes, list(nodes.ifnames), timeout, port, job)
 
 
+def run_node_aware(nodes: Nodes, size: int = NODE_AWARE_BYTES, timeout: float = 60.0,
+                   port: int = PORT) -> list[RankOutcome]:
+    """Four ranks, two on each "node": one allreduce of ``size`` bytes done flat, then node-aware.
+
+    Ranks 0 and 1 run in the first namespace, 2 and 3 in the second, each bound to its
+    node's veth. Flat: Gloo's ``all_reduce`` over all four. Node-aware (hierarchical):
+    each node reduces to its first rank, those two allreduce across the cable, and each
+    broadcasts inside its node, so one rank per node uses the cable. Every rank reads
+    the bytes its node's veth sent during each (the kernel's counter: TCP's headers and
+    acknowledgements included) and checks the sum; its ``result`` is ``{"flat": bytes,
+    "node_aware": bytes, "correct": bool}``.
+    """
+    if size <= 0 or size % 4:
+        raise ValueError(f"size must be a positive multiple of 4 bytes, got {size}")
+    placed = Nodes((nodes.names[0], nodes.names[0], nodes.names[1], nodes.names[1]),
+                   (nodes.ifnames[0], nodes.ifnames[0], nodes.ifnames[1], nodes.ifnames[1]),
+                   nodes.addrs)
+    job = {"PCOURSE_NETNS_JOB": "node-aware", "PCOURSE_NETNS_SIZES": str(size)}
+    return _run_ranks(placed, list(placed.ifnames), timeout, port, job)
+
+
 def _run_ranks(nodes: Nodes, ifnames: list[str], timeout: float, port: int,
                job: dict[str, str]) -> list[RankOutcome]:
-    """Start one rank per namespace (``python -m`` this module), collect their reports."""
+    """Start rank i in namespace ``nodes.names[i]`` (``python -m`` this module), collect
+    their reports; rank 0's namespace holds the store, at ``nodes.addrs[0]``."""
     procs = []
     with ends_with_launcher():  # a SIGTERM to us ends the ranks too
         try:
             for rank, ns in enumerate(nodes.names):
-                env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
+                env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(len(nodes.names)),
                        "MASTER_ADDR": nodes.addrs[0], "MASTER_PORT": str(port),
                        "GLOO_SOCKET_IFNAME": ifnames[rank], "PCOURSE_NETNS_TIMEOUT": str(timeout),
                        **job}
@@ -192,7 +215,7 @@ def _run_ranks(nodes: Nodes, ifnames: list[str], timeout: float, port: int,
                 procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT, text=True,
                                               start_new_session=True))
-            # One deadline for both ranks, counted from when the later one has started.
+            # One deadline for every rank, counted from when the last one has started.
             started = [_started(p, time.monotonic() + STARTUP) for p in procs]
             deadline = time.monotonic() + timeout + KILL_MARGIN
             outputs = [head + _collect(p, deadline) for p, head in zip(procs, started, strict=True)]
@@ -269,9 +292,12 @@ def _rank_main() -> None:
     try:
         dist.init_process_group("gloo", init_method="env://",
                                 timeout=timedelta(seconds=timeout))
-        if os.environ.get("PCOURSE_NETNS_JOB") == "pingpong":
+        job = os.environ.get("PCOURSE_NETNS_JOB")
+        if job == "pingpong":
             result = pingpong(rank, [int(n) for n in os.environ["PCOURSE_NETNS_SIZES"].split(",")],
-                               int(os.environ["PCOURSE_NETNS_REPEATS"]))
+                              int(os.environ["PCOURSE_NETNS_REPEATS"]))
+        elif job == "node-aware":
+            result = node_aware(rank, int(os.environ["PCOURSE_NETNS_SIZES"]))
         else:
             t = torch.full((4,), float(rank + 1))
             dist.all_reduce(t)
@@ -312,6 +338,40 @@ def pingpong(rank: int, sizes: list[int], repeats: int) -> list[list[float]]:
             raise RuntimeError(f"the {size}-byte message came back changed")
         rows.append([size, statistics.median(halves)])
     return rows
+
+
+def node_aware(rank: int, size: int) -> dict:
+    """One of four ranks (two per node): the bytes this node's veth sent during a flat
+    allreduce and during a node-aware one, and whether both sums came out right.
+
+    Each count runs from before a barrier to after one, so no rank's traffic of the
+    allreduce falls outside it; the two barriers' few bytes are in both counts alike.
+    """
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    node, first = rank // 2, rank - rank % 2
+    inside = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+    leaders = dist.new_group([0, 2])
+    counter = Path(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes")
+    sent, correct = {}, True
+    for how in ("flat", "node_aware"):
+        t = torch.full((size // 4,), float(rank + 1))
+        before = int(counter.read_text())
+        dist.barrier()
+        if how == "flat":
+            dist.all_reduce(t)
+        else:
+            dist.reduce(t, dst=first, group=inside[node])
+            if rank == first:
+                dist.all_reduce(t, group=leaders)
+            dist.broadcast(t, src=first, group=inside[node])
+        dist.barrier()
+        sent[how] = int(counter.read_text()) - before
+        correct = correct and bool((t == 1 + 2 + 3 + 4).all())  # exact: small integers
+    return {**sent, "correct": correct}
 
 
 def _my_address() -> str:
