@@ -131,7 +131,7 @@ class RankOutcome:
     rank: int
     namespace: str
     ifname: str
-    result: list | None  # the allreduced values, or the ping-pong's [size, seconds] rows
+    result: list | dict | None  # allreduced values, ping-pong [size, s] rows, or byte counts
     address: str | None  # the address Gloo chose for this rank
     error: str | None
     seconds: float | None
