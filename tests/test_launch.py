@@ -121,6 +121,23 @@ def test_several_nodes_are_opted_in_with_a_hostfile(tmp_path: Path) -> None:
 
 
 @pytest.mark.mpi
+def test_ranks_on_one_machine_spin_briefly_unless_told_otherwise(tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    # A rank's OpenMP threads must not spin away the cores another process needs.
+    from pcourse.tools.cluster import launch
+
+    for name, value in launch.ONE_MACHINE_ENV.items():
+        show = _script(tmp_path, "import os\n"  # one write a line: the ranks share the pipe
+                       f"sys.stdout.write(f\"SPIN {{os.environ.get({name!r})}}\\n\")\n")
+        monkeypatch.delenv(name, raising=False)
+        assert mpirun(2, [show], timeout=120).stdout.count(f"SPIN {value}\n") == 2
+        assert name not in launch.mpi_launcher(tmp_path / "hosts").env  # other nodes: theirs
+        monkeypatch.setenv(name, "77")  # the user's own choice wins
+        assert name not in launch.mpi_launcher().env
+        assert mpirun(2, [show], timeout=120).stdout.count("SPIN 77\n") == 2
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stopped_launcher_takes_its_job_with_it(tmp_path: Path, sig: int) -> None:
     """A closed terminal or a job scheduler stops the launcher: its ranks must not run on."""

@@ -118,6 +118,16 @@ OPENMPI_ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFI
 # Ranks on one machine need no network: Open MPI's TCP transport listens on every interface
 # whatever btl_tcp_if_include says (seen with 5.0.11), so a job here uses shared memory only.
 OPENMPI_ONE_MACHINE = {"OMPI_MCA_btl": "self,sm"}
+# Ranks on one machine share its cores, and torch's threads meet at the end of every
+# parallel loop. GNU OpenMP (the Linux torch wheels') lets a thread that arrives first spin
+# for a long while before it sleeps, which is free only while every thread has a core of its
+# own: let anything else run (another rank, a browser, the test suite) and the spinning
+# threads take the cores the last thread needs, so the loop waits for a time slice and a
+# rank that trains with several threads slows down many times over. A short spin keeps
+# the loop as fast on an idle machine and makes it degrade gently on a busy one; a timing
+# then measures the program, not what else ran. (OMP_WAIT_POLICY=PASSIVE never spins, and
+# costs every loop a sleep and a wake even when idle.)
+ONE_MACHINE_ENV = {"GOMP_SPINCOUNT": "3000"}
 
 
 def flavour_env(flavour: str) -> dict[str, str]:
@@ -166,7 +176,8 @@ _WRITE_TO_KEPT = [sys.executable, "-I", str(Path(__file__).with_name("rank_exit.
 def mpi_launcher(hostfile: str | os.PathLike[str] | None = None) -> Launcher:
     """How to start ranks: on this machine, or (``hostfile``) on the nodes it lists.
 
-    Without ``hostfile`` every rank runs here and nothing listens beyond loopback.
+    Without ``hostfile`` every rank runs here, nothing listens beyond loopback, and
+    OpenMP's threads spin only briefly before they sleep (:data:`ONE_MACHINE_ENV`).
     MPICH's usual launcher (hydra) always listens on all interfaces, for its proxies
     on other nodes, so where MPICH's single-machine launcher (gforker) is installed
     beside it, that starts the ranks instead: it forks them and listens nowhere.
@@ -178,7 +189,7 @@ def mpi_launcher(hostfile: str | os.PathLike[str] | None = None) -> Launcher:
     if hostfile is not None:
         option = "--hostfile" if flavour == "openmpi" else "-f"
         return Launcher([mpiexec, option, str(hostfile)], flavour_env(flavour))
-    here = OPENMPI_ONE_MACHINE if flavour == "openmpi" else {}
+    here = {**ONE_MACHINE_ENV, **(OPENMPI_ONE_MACHINE if flavour == "openmpi" else {})}
     env = {k: v for k, v in {**loopback_env(), **flavour_env(flavour), **here}.items()
            if k not in os.environ}  # the user's choice wins
     gforker = Path(mpiexec).with_name("mpiexec.gforker")
