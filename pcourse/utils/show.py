@@ -35,3 +35,12 @@ def new_figure(**kwargs: Any) -> Any:
     fig = plt.figure(**kwargs)
     plt.close(fig)
     return fig
+
+
+def legend_beside(ax: Any, **options: Any) -> None:
+    """A timeline's legend, each label once, to the right of its axes: inside, it would
+    cover the bars of a step that runs to the right edge."""
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **options)

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from pcourse.backends.base import Backend, Work
+from pcourse.utils.show import legend_beside
 
 PHASES = ("forward", "backward", "finish", "optimizer")
 
@@ -237,8 +238,6 @@ def plot(trace: dict, ax: Any, rank: int = 0, title: str = "") -> None:
         elif e["cat"] in ("call", "wait"):
             ax.barh(1.2, max(ms, 0.01), left=start, height=0.5, color="k",
                     label="inside a call or wait (exposed)")
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles, strict=True))
-    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper right", ncol=2)
+    legend_beside(ax)
     ax.set_yticks([3, 2, 1.2], ["step", "collectives", "rank blocked"])
     ax.set_title(title, fontsize=9)

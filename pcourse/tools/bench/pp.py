@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from pcourse.tools.bench import jobs
+from pcourse.utils.show import legend_beside
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -263,9 +264,7 @@ def plot_timeline(trace: dict, ax: Any, title: str = "") -> None:
         if kind in "FB" and len(e["name"]) < 6:
             ax.text(start + ms / 2, e["pid"], e["name"].split()[1], ha="center",
                     va="center", fontsize=6)
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles, strict=True))
-    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper right")
+    legend_beside(ax)
     ranks = sorted({e["pid"] for e in trace["traceEvents"]})
     ax.set_yticks(ranks, [f"stage {r}" for r in ranks])
     ax.invert_yaxis()

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pcourse.utils.io import atomic_write
+from pcourse.utils.show import legend_beside
 
 PHASES = ("forward", "backward", "finish", "optimizer")
 MiB = 1 << 20
@@ -202,9 +203,7 @@ def plot(trace: dict, ax: Any, rank: int = 0, title: str = "") -> None:
         elif name.startswith(("launch bucket", "wait bucket")):
             k = int(name.split()[-1])
             ax.barh(1.6 - 0.15 * k, max(ms, 0.02), left=start, height=0.12, color="k")
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles, strict=True))
-    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper right")
+    legend_beside(ax)
     ax.set_yticks([3, 2.4, 1.6], ["step", "autograd nodes", "buckets (black: launch, wait)"])
     ax.set_title(title, fontsize=9)
 
