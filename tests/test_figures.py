@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import matplotlib
+import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-matplotlib.use("Agg")
-
-import pytest  # noqa: E402
-from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
-
-from pcourse.tools.bench import overlap, pp, trace  # noqa: E402
-from pcourse.utils.show import legend_beside, new_figure  # noqa: E402
+from pcourse.tools.bench import overlap, pp, trace
+from pcourse.utils.show import legend_beside, new_figure
 
 
 def _x(name: str, cat: str, ts: float, dur: float, pid: int = 0) -> dict:

@@ -37,10 +37,10 @@ def new_figure(**kwargs: Any) -> Any:
     return fig
 
 
-def legend_beside(ax: Any, **options: Any) -> None:
+def legend_beside(ax: Any) -> None:
     """A timeline's legend, each label once, to the right of its axes: inside, it would
     cover the bars of a step that runs to the right edge."""
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles, strict=True))
     ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper left",
-              bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **options)
+              bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
