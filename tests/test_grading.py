@@ -10,8 +10,10 @@ missing, a hang, a dead kernel, a dead engine), and hostile learners
 (``tests/grading/hostile.py``: one probes the jail, leaves a process behind and hands
 in the solution file, one plants files, one kills what it can). The other wrong
 answers are the test suite's own, trusted code: they are graded by the same runner
-and checks on one cluster per worker (``grade(..., trusted=True)``), which is what
-their rows test. The tests below read the rows of both.
+and checks on one cluster per worker (``grade(..., trusted=True)``), each only up to
+the first failure its row reports (``first_failure_only=True``: what their tests read);
+the class's wrong answers are graded that way too, and must get the same rows. The
+tests below read the rows of both.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pcourse.tools.cluster import launch
 from pcourse.tools.grading import exercises as ex
 from pcourse.tools.grading import runner, submission
 from pcourse.tools.grading.grade import (
+    FIRST_FAILURE_ONLY,
     exercise_of,
     exercises,
     grade,
@@ -129,8 +132,9 @@ def _class(folder: Path, trusted: Path) -> None:
             nb = _solved(name, w.codes)
             if w.edit:
                 w.edit(nb, _solution(name))
-            where = folder if (name, label) in END_TO_END else trusted
-            _write(nb, where / _wrong_learner(name, label) / f"{name}.ipynb")
+            _write(nb, trusted / _wrong_learner(name, label) / f"{name}.ipynb")
+            if (name, label) in END_TO_END:  # and graded whole, in the class
+                _write(nb, folder / _wrong_learner(name, label) / f"{name}.ipynb")
     broken = folder / "broken"
     broken.mkdir()
     (broken / f"{NAMES[0]}.ipynb").write_text('{"cells": [ this is not JSON')
@@ -193,8 +197,9 @@ def graded(tmp_path_factory) -> dict[tuple[str, str], Grade]:
     (folder / "table.txt").write_text(table(rows))
     middle = time.monotonic()
     paths = sorted(trusted.glob("*/*.ipynb"))
-    more = grade(paths, jobs=2, timeout=CLASS_TIMEOUT, learners=[p.parent.name for p in paths],
-                 trusted=True)
+    more = grade(paths, jobs=2, timeout=CLASS_TIMEOUT, learners=[f"{p.parent.name}-first"
+                                                                   for p in paths],
+                 trusted=True, first_failure_only=True)
     print(f"\nclass graded in {middle - start:.0f} s ({len(rows)} rows), trusted wrong answers "
           f"in {time.monotonic() - middle:.0f} s ({len(more)} rows)")
     graded = {(g.learner, g.exercise): g for g in rows + more}
@@ -521,11 +526,27 @@ def test_a_shipped_exercise_fails_as_unsolved(graded, name):
 @pytest.mark.timeout(3000)
 @pytest.mark.parametrize("name,label", [(n, label) for n in NAMES for label in WRONG[n]])
 def test_a_wrong_answer_is_rejected(graded, name, label):
-    g = graded[(_wrong_learner(name, label), name)]
+    g = graded[(f"{_wrong_learner(name, label)}-first", name)]
     print(table([g]))
     assert not g.ok, f"the grader passed a wrong answer ({label}): {g}"
     assert g.passed < g.total
     assert WRONG[name][label].mention in g.first_failure, g
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(3000)
+@pytest.mark.parametrize("name,label", sorted(END_TO_END))
+def test_grading_to_the_first_failure_reports_what_grading_everything_does(graded, name, label):
+    whole, first = (graded[(f"{_wrong_learner(name, label)}{end}", name)] for end in ("", "-first"))
+    assert (first.status, first.first_failure) == (whole.status, whole.first_failure), \
+        (whole, first)
+    assert FIRST_FAILURE_ONLY not in whole.notes and first.passed <= whole.passed
+    if whole.first_failure.startswith("check "):  # the checks up to it agree, none ran after
+        k = next(i for i, c in enumerate(whole.checks) if not c.passed)
+        assert first.checks[:k + 1] == whole.checks[:k + 1], (whole.checks, first.checks)
+        assert all(c.output.startswith("did not run") for c in first.checks[k + 1:]), first.checks
+        assert (FIRST_FAILURE_ONLY in first.notes) == (k + 1 < len(whole.checks)), first
 
 
 @pytest.mark.slow
@@ -606,11 +627,51 @@ def _jailed() -> None:
 @pytest.mark.mpi
 @pytest.mark.timeout(3000)
 def test_learner_code_runs_as_nobody_without_privileges_network_or_the_course(graded):
-    """Run as root or not, the engines are nobody, can undo nothing and read nothing of ours."""
+    """Graded as root, the engines are nobody, can undo nothing and read nothing of ours."""
     _jailed()
     g = graded[("hostile", NAMES[0])]
-    assert g.passed == 0 and "HOSTILE" in g.first_failure, g
-    seen = hostile.report(g.first_failure)
+    assert g.passed == 0, g
+    _assert_jailed(g.first_failure)
+
+
+ORDINARY = 4242  # the id an ordinary user's grader runs as, below
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_graded_by_an_ordinary_user_learner_code_is_jailed_the_same(tmp_path):
+    """The grader run by an ordinary user (uid 4242 in a user namespace of its own: not
+    root, no capabilities) takes the jail's other path, a user namespace of bubblewrap's,
+    and the learner's code meets the same walls."""
+    import subprocess
+
+    _jailed()
+    if subprocess.run(["unshare", "--user", "true"], capture_output=True).returncode:
+        if os.environ.get("PCOURSE_REQUIRE_SANDBOX"):
+            pytest.fail("PCOURSE_REQUIRE_SANDBOX is set but this machine has no user namespaces")
+        pytest.skip("this machine refuses user namespaces: no ordinary user can jail here")
+    prober = _solved(NAMES[0])
+    wrong.learner_adds(hostile.probe(_secrets(tmp_path)))(prober, None)
+    _write(prober, tmp_path / "ann" / f"{NAMES[0]}.ipynb")
+    grader = (f"import os; assert os.geteuid() == {ORDINARY}\n"
+              "from pcourse.tools.grading.grade import main; raise SystemExit(main())")
+    done = subprocess.run(
+        ["unshare", "--user", f"--map-user={ORDINARY}", f"--map-group={ORDINARY}", sys.executable,
+         "-c", grader, "--class", str(tmp_path), "--timeout", str(CLASS_TIMEOUT)],
+        capture_output=True, text=True, timeout=500, cwd=REPO)
+    assert done.returncode in (0, 1), done  # 1: not every exercise passed
+    with open(tmp_path / "grades.csv", newline="") as f:
+        row = next(r for r in csv.DictReader(f) if r["exercise"] == NAMES[0])
+    assert row["checks_passed"] == "0" and "sandbox" not in row["notes"], row
+    _assert_jailed(row["first_failure"])
+
+
+def _assert_jailed(first_failure: str) -> None:
+    """What hostile.probe found, raised as the notebook's first failure: nobody, no
+    capabilities, a seccomp filter, no way out, a network of its own, nothing of ours."""
+    assert "HOSTILE" in first_failure, first_failure
+    seen = hostile.report(first_failure)
     assert seen["uid"] == "65534" and seen["caps"] == "0000000000000000", seen
     assert seen["nnp"] == "1" and seen["seccomp"] == "2", seen  # 2: a filter
     assert all(seen[k] != "0" for k in ("umount", "remount", "unshare")), seen
@@ -733,6 +794,21 @@ def test_the_jail_holds_without_engines(tmp_path):
                     "sockets": "0"}, done  # 2: none of those paths exists in the jail
     assert out[-1] == "lo,", done  # a network of its own
     assert not (REPO / "pcourse" / "zz").exists()
+
+
+def test_a_first_failure_run_stops_after_the_first_cell_that_fails_and_only_then():
+    """``stop_at``: a cell fails by raising or by printing other than its text; the cells
+    after the first failure do not run, and without one every cell runs."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(f"print({k})")
+                                         for k in range(4)])
+    nb.cells[2].source = "print(2)\n1 / 0"
+    for stop_at, ran, failed in [({1: "1", 3: "3"}, [0, 1, 2, 3], None),  # cell 2 not watched
+                                 ({1: "9", 3: "3"}, [0, 1], 1),  # printed other than its text
+                                 ({1: None, 2: None}, [0, 1, 2], 2),  # raised
+                                 (None, [0, 1, 2, 3], None)]:
+        out = runner.execute(dict(nb), limit=120, stop_at=stop_at)
+        assert (sorted(out.stdout), out.first_failure) == (ran, failed), (stop_at, out)
+        assert out.stopped is None and list(out.errors) == [2] * (2 in ran), out
 
 
 def test_a_worker_keeps_to_one_learner_and_learners_do_not_share_workers():

@@ -141,15 +141,17 @@ def _title(path: Path) -> str | None:
 
 def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIMEOUT,
           solutions: Path | None = None, learners: list[str] | None = None,
-          progress: Callable[[Grade], None] | None = None, trusted: bool = False
-          ) -> list[Grade]:
+          progress: Callable[[Grade], None] | None = None, trusted: bool = False,
+          first_failure_only: bool = False) -> list[Grade]:
     """Grade every notebook; one Grade each, in order.
 
     ``learners`` (one name per notebook) labels the rows of a class, and says whose
     code is whose: each learner's notebooks run on a cluster of their own (without
     ``learners``, each folder's). ``trusted=True`` runs every notebook on one cluster
     per worker: only for notebooks whose code is trusted (the test suite's own wrong
-    answers), never a learner's.
+    answers), never a learner's. ``first_failure_only=True`` stops each notebook at the
+    failure its row reports (the suite's wrong answers need no more): the checks after it
+    do not run, and the row says so.
     ``progress(grade)`` hears of every row as soon as it is decided.
     """
     progress = _made_safe(progress or (lambda g: None))
@@ -188,9 +190,13 @@ def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIM
         g.notes = runnable.notes + _copied(path, known[name], data) + _isolation_notes()
         runnables[k] = runnable
         owner = None if trusted else (learners[k] if learners else str(path.parent.resolve()))
-        todo.append(Job(k, runnable.notebook, timeout, owner))
+        todo.append(Job(k, runnable.notebook, timeout, owner,
+                        _graded_cells(runnable) if first_failure_only else None))
+
     def judged(k: int, executed: Executed) -> None:
         _judge(grades[k], runnables[k], executed, timeout)
+        if executed.first_failure is not None and max(runnables[k].checks) > executed.first_failure:
+            grades[k].notes.append(FIRST_FAILURE_ONLY)
         progress(grades[k])
 
     previous = os.environ.get(HIDE_ENV)
@@ -264,6 +270,26 @@ def _isolation_notes() -> list[str]:
             "processes and files of this user"]
 
 
+FIRST_FAILURE_ONLY = "graded to its first failure only: the checks after it did not run"
+
+
+def _hidden(runnable: submission.Runnable) -> list[int]:
+    """The cells the grader added (the guards that fail a notebook that patched the checks)."""
+    return [i for i, c in enumerate(runnable.notebook.cells) if c.metadata.get(submission.HIDDEN)]
+
+
+def _setup(runnable: submission.Runnable) -> int:
+    return min(i for i, c in enumerate(runnable.notebook.cells) if c.cell_type == "code")
+
+
+def _graded_cells(runnable: submission.Runnable) -> dict[int, str | None]:
+    """Every cell whose failure :func:`_judge` reports (the setup, the guards, the learner's,
+    the checks), with what each check must print: where a first-failure run stops."""
+    cells: dict[int, str | None] = dict.fromkeys(
+        [_setup(runnable), *_hidden(runnable), *runnable.learner])
+    return cells | dict(runnable.checks)
+
+
 def _judge(g: Grade, runnable: submission.Runnable, run: Executed, limit: float) -> None:
     """Fill in a Grade from what running its notebook printed."""
     g.seconds = run.seconds
@@ -281,18 +307,15 @@ def _judge(g: Grade, runnable: submission.Runnable, run: Executed, limit: float)
     if run.stopped and run.stopped[0] == "grader":
         g.status, g.first_failure = "error", f"the grader could not run it: {run.detail}"
         return
-    hidden = [i for i, c in enumerate(runnable.notebook.cells)
-              if c.metadata.get(submission.HIDDEN)]
-    tampered = next((run.errors[i] for i in hidden if i in run.errors), None)
+    tampered = next((run.errors[i] for i in _hidden(runnable) if i in run.errors), None)
     if tampered:
         g.status, g.passed = "tampered", 0
         g.first_failure = (f"{tampered[1]}: a YOUR CODE cell may only define the "
                            "exercise's functions")
         return
-    first_code = min(i for i, c in enumerate(runnable.notebook.cells) if c.cell_type == "code")
-    if first_code in run.errors:
+    if _setup(runnable) in run.errors:
         g.status = "error"
-        g.first_failure = f"the setup cell failed: {': '.join(run.errors[first_code])}"
+        g.first_failure = f"the setup cell failed: {': '.join(run.errors[_setup(runnable)])}"
         return
     if run.stopped:
         kind, cell = run.stopped

@@ -50,6 +50,9 @@ class Job:
     notebook: dict  # the notebook to run, as nbformat JSON
     limit: float  # seconds for the whole notebook, kernel start included
     owner: str | None = None  # whose code: a fresh cluster for each (None: trusted, shared)
+    # Stop after the first of these cells that fails (raises, or prints other than its
+    # text where one is given); None: run every cell.
+    stop_at: dict[int, str | None] | None = None
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Executed:
     stopped: tuple[str, int] | None = None  # ("timeout" | "died", cell) or ("grader", -1)
     detail: str = ""  # for "grader": what went wrong
     seconds: float = 0.0
+    first_failure: int | None = None  # the cell of Job.stop_at that failed (nothing ran after)
 
 
 # ---------------------------------------------------------------- in the worker
@@ -222,8 +226,13 @@ class Kernel:
             _kernels.remove(self)
 
 
-def execute(notebook: dict, limit: float, kernel: Kernel | None = None) -> Executed:
-    """Run every code cell of ``notebook`` in ``kernel`` (or a new one), within ``limit`` s."""
+def execute(notebook: dict, limit: float, kernel: Kernel | None = None,
+            stop_at: dict[int, str | None] | None = None) -> Executed:
+    """Run every code cell of ``notebook`` in ``kernel`` (or a new one), within ``limit`` s.
+
+    With ``stop_at`` (cell -> the text it must print, or None), stop after the first of
+    those cells that raises or prints anything else.
+    """
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
@@ -252,10 +261,18 @@ def execute(notebook: dict, limit: float, kernel: Kernel | None = None) -> Execu
                 error = next((o for o in cell.outputs if o.output_type == "error"), None)
                 if error is not None:
                     out.errors[i] = (error.ename, error.evalue)
+                if stop_at and i in stop_at and _failed(out, i, stop_at[i]):
+                    out.first_failure = i
+                    break
     finally:
         kernel.close()
     out.seconds = time.monotonic() - start
     return out
+
+
+def _failed(out: Executed, cell: int, expected: str | None) -> bool:
+    return cell in out.errors or (expected is not None
+                                  and out.stdout.get(cell, "").strip() != expected.strip())
 
 
 def _worker(conn: Connection, mark: str, engines: int) -> None:
@@ -279,7 +296,7 @@ def _worker(conn: Connection, mark: str, engines: int) -> None:
                     spare.close()
                     spare = None
                 kernel, spare = spare or Kernel(), Kernel()
-                result = execute(job.notebook, job.limit, kernel)
+                result = execute(job.notebook, job.limit, kernel, job.stop_at)
             except Exception as exc:  # noqa: BLE001 - reported, and the next job goes on
                 result = Executed(stopped=("grader", -1), detail=f"{type(exc).__name__}: {exc}")
             conn.send(result)

@@ -64,7 +64,8 @@ def outcomes(runnable: submission.Runnable, run: Executed) -> list[Check]:
             found.append(Check(got == runnable.checks[cell].strip(), got))
         else:
             found.append(Check(False, "did not run: the notebook stopped before this check"
-                               if run.stopped else "printed nothing"))
+                               if run.stopped or run.first_failure is not None
+                               else "printed nothing"))
     return found
 
 
