@@ -794,6 +794,7 @@ def test_the_jail_holds_without_engines(tmp_path):
                     "sockets": "0"}, done  # 2: none of those paths exists in the jail
     assert out[-1] == "lo,", done  # a network of its own
     assert not (REPO / "pcourse" / "zz").exists()
+    sandbox.release(tmp_path / "cluster")
 
 
 def test_a_first_failure_run_stops_after_the_first_cell_that_fails_and_only_then():
@@ -860,3 +861,44 @@ def test_a_jail_ends_with_every_process_it_held_even_detached_ones(tmp_path):
     finally:
         outer.kill()
         outer.wait()
+        sandbox.release(tmp_path / "cluster")
+
+
+def test_a_jail_as_a_whole_is_bounded_in_memory_and_processes(tmp_path, monkeypatch):
+    """Where the machine has cgroups the grader may make, one learner's jail shares one
+    memory bound and one process bound, however many processes it splits into (rlimits
+    bound each process alone); the cgroups go with the jail."""
+    import subprocess
+
+    from pcourse.tools.grading import sandbox
+
+    _jailed()
+    if not sandbox._cgroup_parents():  # the issue's "where the machine has them"
+        pytest.skip("no cgroup this process may make: rlimits alone bound the jail")
+    monkeypatch.setattr(sandbox, "CGROUP_LIMITS", {"memory": 256 << 20, "pids": 64})
+    folder = _mkdir(tmp_path / "cluster")
+    jail = sandbox.jail(folder)
+    assert len(jail["prefix"][2].split("cgroup.procs")) > 1, jail["prefix"][:3]
+
+    def jailed(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*jail["prefix"], sys.executable, "-c", code],
+                              capture_output=True, text=True, timeout=120)
+
+    # four processes of 100 MiB each: any one alone is far below every rlimit
+    eat = ("import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        break\n"
+           "x = bytearray(100 << 20)\nfor i in range(0, len(x), 4096):\n    x[i] = 1\n"
+           "time.sleep(2)\nprint('fed', flush=True)")
+    assert jailed(eat.replace("100 << 20", "10 << 20")).stdout.count("fed") == 4  # fits
+    assert jailed(eat).stdout.count("fed") < 4  # together past 256 MiB: the kernel kills
+    spawn = ("import subprocess\nok = 0\nfor _ in range(100):\n    try:\n"
+             "        subprocess.Popen(['sleep', '5'])\n        ok += 1\n"
+             "    except OSError:\n        break\nprint(ok)")
+    started = jailed(spawn)
+    assert 0 < int(started.stdout) < 64, started  # threads and processes, all counted
+    sandbox.release(folder)
+    # and a dead worker's, found by the process that named its clusters' folders
+    dead = _mkdir(tmp_path / "pcourse-cluster-999999999-x")
+    assert len(sandbox.cgroups(dead)) == len(sandbox._cgroup_parents())
+    sandbox.release(owner=999999999)
+    assert not any((parent / f"pcourse-{f.name}").exists() for f in (folder, dead)
+                   for parent, _ in sandbox._cgroup_parents())

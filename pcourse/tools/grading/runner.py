@@ -135,6 +135,7 @@ def _discard(mc: Any) -> None:
     mc.client.close()
     _reap(WORKER_MARK, os.environ[WORKER_MARK], spare=_kernel_pids())
     sandbox.end(getattr(mc, "jailed", set()))
+    sandbox.release(mc.folder)
     try:
         mc.cluster.stop_cluster_sync()  # its processes are gone: this only tidies up
     except Exception:  # noqa: BLE001 - nothing left to stop
@@ -149,6 +150,7 @@ def _retire(mc: Any, engines: int) -> None:
     if _healthy(mc, engines):
         stop_cluster(mc)
         sandbox.end(getattr(mc, "jailed", set()))
+        sandbox.release(mc.folder)
     else:
         _discard(mc)
 
@@ -308,6 +310,9 @@ def _worker(conn: Connection, mark: str, engines: int) -> None:
         if mc is not None:
             _retire(mc, engines)
         shutil.rmtree(where.parent, ignore_errors=True)
+        from pcourse.tools.grading import sandbox
+
+        sandbox.release()  # those of clusters that failed to start, too
 
 
 # ---------------------------------------------------------------- in the parent
@@ -346,6 +351,9 @@ class _Worker:
             self.process.kill()
             self.process.wait()
         _reap(WORKER_MARK, self.mark)
+        from pcourse.tools.grading import sandbox
+
+        sandbox.release(owner=self.process.pid)  # a worker killed leaves its cgroups behind
         self.conn.close()
 
 

@@ -22,7 +22,9 @@ The grader's engines (and ``mpiexec``, and anything they start) run inside
   loading kernel code, ``bpf``, ``perf_event_open``, keyrings, ``userfaultfd``
   fail with EPERM; a 32-bit system call on a 64-bit machine kills the process;
 - and runs under resource limits (:data:`LIMITS`: processes, address space per
-  process, file size, CPU seconds per process; rlimits, set by ``prlimit``).
+  process, file size, CPU seconds per process; rlimits, set by ``prlimit``), and, where
+  the grader may make cgroups, under limits of the jail as a whole
+  (:data:`CGROUP_LIMITS`: memory, processes).
 
 Where bubblewrap is missing (:func:`available` says why) the grader falls back to
 the weaker containment of :func:`pcourse.tools.cluster.launch.containment`, and
@@ -50,6 +52,14 @@ UID = 65534  # nobody: the id learner code runs as
 # GiB); CPU seconds per process, for all of one learner's notebooks.
 LIMITS = {"nproc": max(1024, 256 * (os.cpu_count() or 1)), "as": 16 << 30,
           "fsize": 256 << 20, "cpu": 1800, "core": 0}
+# And of each jail as a whole (one learner's cluster: its engines, mpiexec, everything
+# they start), where the machine lets the grader make cgroups (:func:`cgroups`): memory
+# (tmpfs pages included: /tmp, /dev/shm) and processes (threads count). Four engines
+# with torch need a small part of either.
+CGROUP_LIMITS = {"memory": 8 << 30, "pids": 4096}
+CGROUP_FILES = {1: {"memory": "memory.limit_in_bytes", "pids": "pids.max"},
+                2: {"memory": "memory.max", "pids": "pids.max"}}
+CGROUPS = Path("/sys/fs/cgroup")
 TMP_SIZE = 1 << 30  # bytes of the jail's /tmp
 SHM_SIZE = 4 << 30  # and of its /dev/shm (MPICH's shared-memory segments)
 ETC = ("passwd", "group", "hosts", "nsswitch.conf", "ld.so.cache", "ld.so.conf",
@@ -184,15 +194,16 @@ def parents(paths: Sequence[Path]) -> list[str]:
             for arg in ("--perms", "0755", "--dir", str(a))]
 
 
-def prefix(folder: Path, sockets: Path, filter_file: Path, extra: Sequence[Path] = ()
-           ) -> list[str]:
+def prefix(folder: Path, sockets: Path, filter_file: Path, extra: Sequence[Path] = (),
+           groups: Sequence[Path] = ()) -> list[str]:
     """The command that runs the engines' ``mpiexec ...`` (appended to it) in the jail.
 
     ``folder`` is the cluster's own (its profile: the engines are told its path and find
     an empty, writable folder there), ``sockets`` the controller's engine sockets (the
     only folder of the machine the jail may write), ``filter_file`` where the seccomp
     program is written (outside the jail's view), ``extra`` more read-only folders
-    (``mpiexec``'s, where it is not in the venv).
+    (``mpiexec``'s, where it is not in the venv), ``groups`` the cgroups every process of
+    the jail belongs to (the first process joins them; its children are born in them).
     """
     program = seccomp_program()
     if program is None or bwrap() is None:
@@ -213,9 +224,12 @@ def prefix(folder: Path, sockets: Path, filter_file: Path, extra: Sequence[Path]
     else:  # a user namespace of bubblewrap's: nobody inside, this user outside
         jail += ["--unshare-user", "--uid", str(UID), "--gid", str(UID), "--cap-drop", "ALL",
                  "--"]
-    # fd 9: the filter, opened by the shell that execs prlimit, which execs bubblewrap
-    return ["sh", "-c", 'exec 9<"$0"; exec "$@"', str(filter_file), shutil.which("prlimit"),
-            *limits, "--", *jail]
+    # fd 9: the filter, opened by the shell that joins the cgroups and execs prlimit,
+    # which execs bubblewrap
+    join = "".join(f'echo $$ >"{g}/cgroup.procs" || {{ echo "pcourse: cannot join the cgroup '
+                   f'{g}" >&2; exit 125; }}; ' for g in groups)
+    return ["sh", "-c", f'exec 9<"$0"; {join}exec "$@"', str(filter_file),
+            shutil.which("prlimit"), *limits, "--", *jail]
 
 
 def _my_threads() -> int:
@@ -242,10 +256,104 @@ def jail(folder: Path) -> dict[str, list[str]]:
     sockets = Path(folder) / "sockets"
     sockets.mkdir(mode=0o755, exist_ok=True)
     os.chmod(sockets, 0o777)
-    return {"prefix": prefix(folder, sockets, Path(folder) / "seccomp.bpf"),
+    return {"prefix": prefix(folder, sockets, Path(folder) / "seccomp.bpf",
+                             groups=cgroups(folder)),
             "controller_cmd": [sys.executable, "-m", "pcourse.tools.grading.controller"],
             "controller_args": ["--nodb", "--IPController.engine_transport=ipc",
                                 f"--IPController.engine_ip={sockets / 'e'}"]}
+
+
+# ---------------------------------------------------------------- cgroups: limits per jail
+
+def _cgroup_parents() -> list[tuple[Path, dict[str, str]]]:
+    """Where this process may make cgroups, and the limit files each offers: under its own
+    cgroup in cgroup v1's memory and pids hierarchies, or in v2's where its cgroup already
+    hands both controllers to its children. [] where there is neither."""
+    own = {}
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for c in controllers.split(",") if controllers else [""]:
+                own[c] = path.lstrip("/")
+    except (OSError, ValueError):
+        return []
+    found = []
+    for c, name in CGROUP_FILES[1].items():
+        parent = CGROUPS / c / own.get(c, "")
+        if c in own and (parent / "cgroup.procs").exists() and os.access(parent, os.W_OK):
+            found.append((parent, {c: name}))
+    if found or "" not in own:
+        return found
+    parent = CGROUPS / own[""]
+    try:
+        delegated = (parent / "cgroup.subtree_control").read_text().split()
+    except OSError:
+        return []
+    if {"memory", "pids"} <= set(delegated) and os.access(parent, os.W_OK):
+        return [(parent, CGROUP_FILES[2])]
+    return []
+
+
+def _cgroup_name(folder: Path) -> str:
+    return f"pcourse-{Path(folder).name}"
+
+
+def cgroups(folder: Path) -> list[Path]:
+    """Fresh cgroups for the jail of ``folder``, limited to :data:`CGROUP_LIMITS`; [] where
+    the machine has none this process may make (rlimits alone bound the jail then)."""
+    made = []
+    for parent, files in _cgroup_parents():
+        group = parent / _cgroup_name(folder)
+        _remove(group)  # one left empty by a grader that died
+        try:
+            group.mkdir()
+            for key, name in files.items():
+                (group / name).write_text(str(CGROUP_LIMITS[key]))
+        except OSError:
+            _remove(group)
+            continue
+        made.append(group)
+    return made
+
+
+def release(folder: Path | None = None, owner: int | None = None, timeout: float = 30.0
+            ) -> None:
+    """Remove the cgroups of the jail of ``folder`` (None: of every jail process ``owner``,
+    by default this one, made), killing what is left in them first (nothing, after
+    :func:`end`). RuntimeError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    # a cluster's folder is named for the process that started it (engines._new_folder)
+    made_by = Path(f"pcourse-cluster-{owner or os.getpid()}-*")
+    name = _cgroup_name(folder or made_by)
+    for parent, _ in _cgroup_parents():
+        for group in parent.glob(name):
+            while not _remove(group):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the cgroup {group} still holds processes")
+                _kill_members(group)
+                time.sleep(0.05)
+
+
+def _kill_members(group: Path) -> None:
+    try:
+        pids = (group / "cgroup.procs").read_text().split()
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            continue
+
+
+def _remove(group: Path) -> bool:
+    try:
+        group.rmdir()
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------- waiting for the jail to end
