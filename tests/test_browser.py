@@ -1,7 +1,7 @@
 """The learner's path, end to end, in a real browser: `make lab` in headless Chromium.
 
 Start `make lab`'s server on a copy of the course (so nothing the browser does can
-write into the repository), land on the index, open the setup check from its link,
+write into the repository), land on the index, open the setup check its link names,
 run all cells through JupyterLab's menus and read READY from the page; then open an
 exercise, run it unsolved and see its checks fail. Screenshots are kept in
 tests/artefacts/ (their paths are printed).
@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -169,37 +170,24 @@ def _land_on_index(page, url: str) -> None:
     page.locator(CURRENT).get_by_role("heading", name="The course, in order").wait_for()
 
 
-def _open_from_index(page, url: str, link_text: str, file_name: str) -> None:
-    """Click a link in the index, as a learner does; then close the index and bring the
-    notebook forward by its tab.
+def _open_from_index(page, url: str, link_text: str, path: str) -> None:
+    """Land on the index, find the notebook's link there, and open what it links to by
+    its own URL, in a fresh workspace (``?reset``): the notebook alone, in front.
 
-    The click also makes the index's cell active, and JupyterLab can give the index the
-    focus back seconds after the notebook's tab opened (seen on loaded machines, and
-    once the notebook's tab was already current): Run All then runs the index. Closed,
-    the index cannot come forward again.
+    Not by clicking the link: JupyterLab could bring the index forward again seconds
+    after the notebook's tab opened, even after the index was closed (seen on loaded
+    machines, with the index's save in flight), and Run All then ran the index.
     """
     _land_on_index(page, url)
-    page.locator(f"{CURRENT} .jp-MarkdownOutput a", has_text=link_text).first.click()
-    tab = page.locator(".lm-TabBar-tab", has_text=file_name).first
-    tab.wait_for()
-    _close(page, "index.ipynb")
-    tab.click()
-    page.locator(".lm-TabBar-tab.lm-mod-current", has_text=file_name).first.wait_for()
+    link = page.locator(f"{CURRENT} .jp-MarkdownOutput a", has_text=link_text).first
+    href = link.get_attribute("href") or ""  # JupyterLab's: .../files/<path>?_xsrf=...
+    assert urllib.parse.urlparse(href).path.endswith(f"/{path}"), \
+        f"the index links {link_text!r} to {href!r}, not to {path}"
+    page.goto(re.sub(r"/lab\S*\?", f"/lab/tree/{path}?reset&", url))
+    page.locator(".lm-TabBar-tab.lm-mod-current", has_text=Path(path).name).first.wait_for()
     page.locator(f"{CURRENT} .jp-Notebook").first.wait_for()
-
-
-def _close(page, file_name: str, timeout_s: float = 60) -> None:
-    """Close a notebook's tab, discarding its changes when JupyterLab asks (the index's
-    kernel rewrote its metadata: language_info gains the Python version)."""
-    tab = page.locator(".lm-TabBar-tab", has_text=file_name)
-    discard = page.locator(".jp-Dialog button", has_text="Discard")
-    tab.locator(".lm-TabBar-tabCloseIcon").click()
-    deadline = time.monotonic() + timeout_s
-    while tab.count() and time.monotonic() < deadline:
-        if discard.count():
-            discard.first.click()
-        time.sleep(0.2)
-    assert not tab.count(), f"{file_name}'s tab did not close within {timeout_s:.0f} s"
+    tabs = page.locator(".lm-TabBar-tab").all_text_contents()
+    assert "index.ipynb" not in tabs, f"the index is open beside the notebook: {tabs}"
 
 
 def _idle(page) -> None:
@@ -263,7 +251,7 @@ def test_setup_check_reads_ready_in_the_browser(lab, page, say):
     start = time.monotonic()
     _land_on_index(page, url)
     _screenshot(page, "index", say)
-    _open_from_index(page, url, "00 · Setup check", "00_setup_check.ipynb")
+    _open_from_index(page, url, "00 · Setup check", "notebooks/00_setup_check.ipynb")
     _run_all_fresh(page)
     _wait_done(page)
     verdicts = [m.group(1) for text in _outputs(page) for m in _VERDICT.finditer(text)]
@@ -278,7 +266,7 @@ def test_setup_check_reads_ready_in_the_browser(lab, page, say):
 def test_unsolved_exercise_fails_its_checks_in_the_browser(lab, page, say):
     url = lab
     start = time.monotonic()
-    _open_from_index(page, url, "Exercise: partition the data", "01_partitioner.ipynb")
+    _open_from_index(page, url, "Exercise: partition the data", "exercises/01_partitioner.ipynb")
     _run_all_fresh(page)
     _wait_done(page)
     outputs = _outputs(page)
