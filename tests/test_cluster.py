@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 import textwrap
 from pathlib import Path
@@ -101,6 +102,7 @@ def test_engines_that_die_during_start_report_their_log():
     with pytest.raises(ClusterError, match="exited during start") as info:
         start_cluster(2, env={"PYTHONHOME": "/nonexistent"}, timeout=60)
     assert "encodings" in str(info.value) or "PYTHONHOME" in str(info.value)
+    assert re.search(r"registered; exit status [1-9]", str(info.value)), info.value
     assert cl._current is None
 
 

@@ -28,6 +28,7 @@ import sys
 import sysconfig
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import nbformat
@@ -167,6 +168,12 @@ def _class(folder: Path, trusted: Path) -> None:
                     _mkdir(folder / "hostile") / f"{NAMES[3]}.ipynb")
 
 
+def _row(g: Grade) -> str:
+    """A row in a line, for a failed assertion (a Grade's repr is cut short by pytest)."""
+    return (f"{g.learner}/{g.exercise}: {g.status}, {g.passed}/{g.total} in {g.seconds:.1f} s: "
+            f"{g.first_failure} {g.notes}")
+
+
 def _mkdir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -304,6 +311,30 @@ def test_a_cluster_that_fails_to_start_is_tried_once_more_before_a_learner_pays(
     monkeypatch.setattr(runner, "_ready", lambda mc, e, w: ready(mc, e, w, fails=2))
     with pytest.raises(RuntimeError, match="start 2"):
         runner._ready_or_retry(None, 3, Path("x"))
+
+
+def test_a_cluster_that_fails_to_stop_is_killed_instead(monkeypatch):
+    """A learner's cluster is asked to stop where its engines answer, and killed where they
+    do not or where stopping failed: in each case it is gone before the next learner's."""
+    from pcourse.tools import cluster
+    from pcourse.tools.grading import sandbox
+
+    calls = []
+    monkeypatch.setattr(runner, "_discard", lambda mc: calls.append("killed"))
+    monkeypatch.setattr(sandbox, "end", lambda spaces, folder: calls.append("ended"))
+    mc = types.SimpleNamespace(jailed=set(), folder=Path("x"))
+    for healthy, stops, then in [(True, True, ["stopped", "ended"]), (False, True, ["killed"]),
+                                 (True, False, ["killed"])]:
+        def stop(mc, stops=stops):
+            if not stops:
+                raise RuntimeError("the engines did not stop")
+            calls.append("stopped")
+
+        calls.clear()
+        monkeypatch.setattr(runner, "_healthy", lambda mc, engines, h=healthy: h)
+        monkeypatch.setattr(cluster, "stop_cluster", stop)
+        runner._retire(mc, 4)
+        assert calls == then, (healthy, stops)
 
 
 def test_a_file_names_its_exercise():
@@ -508,7 +539,7 @@ def test_an_unwritable_out_is_refused_before_grading(tmp_path, capsys, monkeypat
 @pytest.mark.parametrize("name", NAMES)
 def test_a_solved_exercise_passes(graded, name):
     g = graded[("solved", name)]
-    assert g.ok and g.passed == g.total >= 3, g
+    assert g.ok and g.passed == g.total >= 3, _row(g)
 
 
 @pytest.mark.slow
@@ -517,8 +548,8 @@ def test_a_solved_exercise_passes(graded, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_a_shipped_exercise_fails_as_unsolved(graded, name):
     g = graded[("shipped", name)]
-    assert not g.ok and g.passed == 0 and g.total >= 3, g
-    assert "not solved yet" in g.first_failure, g
+    assert not g.ok and g.passed == 0 and g.total >= 3, _row(g)
+    assert "not solved yet" in g.first_failure, _row(g)
 
 
 @pytest.mark.slow
@@ -530,7 +561,7 @@ def test_a_wrong_answer_is_rejected(graded, name, label):
     print(table([g]))
     assert not g.ok, f"the grader passed a wrong answer ({label}): {g}"
     assert g.passed < g.total
-    assert WRONG[name][label].mention in g.first_failure, g
+    assert WRONG[name][label].mention in g.first_failure, _row(g)
 
 
 @pytest.mark.slow
@@ -562,7 +593,7 @@ def test_broken_notebooks_get_rows_of_their_own_and_the_rest_is_graded(graded):
     assert "did not finish" in row[NAMES[3]].first_failure
     assert row[NAMES[4]].passed == 0 and "died" in row[NAMES[4]].first_failure
     assert row[NAMES[5]].passed == 0 and "died" in row[NAMES[5]].first_failure
-    assert row[NAMES[6]].ok, row[NAMES[6]]  # graded after all that, on a fresh cluster
+    assert row[NAMES[6]].ok, _row(row[NAMES[6]])  # graded after all that, on a fresh cluster
 
 
 @pytest.mark.slow
@@ -577,7 +608,7 @@ def test_a_learner_cannot_write_into_the_solutions_or_the_course(graded):
     finally:
         for p in PLANTED:
             p.unlink(missing_ok=True)
-    assert g.passed == 0 and "Read-only file system" in g.first_failure, g
+    assert g.passed == 0 and "Read-only file system" in g.first_failure, _row(g)
 
 
 @pytest.mark.slow
@@ -588,10 +619,11 @@ def test_a_learner_who_kills_everything_it_can_reach_hurts_only_itself(graded):
         pytest.skip(f"no PID namespace here: {launch.containment()[1]}")
     g = graded[("killer", NAMES[0])]
     assert g.status != "error" and g.passed == 0, g  # its own row, its own failure
-    assert "died" in g.first_failure or "did not finish" in g.first_failure, g
+    assert "died" in g.first_failure or "did not finish" in g.first_failure, _row(g)
     others = [h for key, h in graded.items()
               if isinstance(key, tuple) and key[0] in ("solved", "shipped")]
-    assert all(h.status == "graded" for h in others), others
+    assert all(h.status == "graded" for h in others), \
+        [_row(h) for h in others if h.status != "graded"]
 
 
 @pytest.mark.slow
@@ -630,7 +662,7 @@ def test_learner_code_runs_as_nobody_without_privileges_network_or_the_course(gr
     """Graded as root, the engines are nobody, can undo nothing and read nothing of ours."""
     _jailed()
     g = graded[("hostile", NAMES[0])]
-    assert g.passed == 0, g
+    assert g.passed == 0, _row(g)
     _assert_jailed(g.first_failure)
 
 
@@ -706,7 +738,7 @@ def _cmdline(pid: str) -> bytes:
 @pytest.mark.timeout(3000)
 def test_the_solution_handed_in_is_noted_in_its_row(graded):
     g = graded[("hostile", NAMES[3])]
-    assert "byte for byte the course's own solution file" in g.notes, g
+    assert "byte for byte the course's own solution file" in g.notes, _row(g)
 
 
 @pytest.mark.slow
@@ -855,9 +887,11 @@ def test_a_jail_ends_with_every_process_it_held_even_detached_ones(tmp_path):
                 or len(sandbox._members(spaces)) < 3:
             assert time.monotonic() < deadline, "the jail did not start"
             time.sleep(0.05)
-        sandbox.end(spaces, timeout=20)  # bubblewrap itself still runs: it waits for them
+        sandbox.end(spaces, tmp_path / "cluster", timeout=20)  # bubblewrap still waits for them
         assert sandbox._members(spaces) == []
         assert outer.wait(timeout=20) is not None  # and ends with its jail
+        assert not [parent for parent, _ in sandbox._cgroup_parents()  # its cgroups with it
+                    if (parent / sandbox._cgroup_name(tmp_path / "cluster")).exists()]
     finally:
         outer.kill()
         outer.wait()

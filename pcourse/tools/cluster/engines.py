@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -274,6 +275,29 @@ def _exited(launcher: object) -> bool:
         return True
 
 
+def _how_it_ended(launcher: object, within: float = 5.0) -> str:
+    """How a launcher's process ended, in words: its exit status, or the signal that killed it
+    (a process killed from outside leaves an empty log; only this tells it apart).
+
+    psutil keeps the status of a child it reaped, whichever thread waited (ipyparallel's
+    own waits on it too); a zombie is reaped here, within ``within`` s.
+    """
+    import psutil
+
+    try:
+        code = launcher.process.wait(timeout=within)  # type: ignore[attr-defined]
+    except (AttributeError, psutil.Error):
+        code = None
+    if not isinstance(code, int):
+        return "its exit status is unknown"
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
 def _log_text(launcher: object) -> str:
     """A launcher's output so far (read afresh: ipyparallel caches its first read)."""
     try:
@@ -483,13 +507,15 @@ def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout:
             if _exited(launcher):
                 raise ClusterError(
                     f"the engines exited during start ({len(client.ids)} of {n} had "
-                    f"registered). Last lines of their log:\n{_log_tail(launcher)}\n"
+                    f"registered; {_how_it_ended(launcher)}). Last lines of their log:\n"
+                    f"{_log_tail(launcher)}\n"
                     "Check that `mpiexec -n 2 python -c 'import mpi4py.MPI'` works in "
                     "this environment."
                 )
         if cluster.controller is None or _exited(cluster.controller):
             tail = _log_tail(cluster.controller) if cluster.controller else "(none)"
-            raise ClusterError(f"the ipcontroller exited during start. Its log:\n{tail}")
+            how = _how_it_ended(cluster.controller) if cluster.controller else "never started"
+            raise ClusterError(f"the ipcontroller exited during start ({how}). Its log:\n{tail}")
         if time.monotonic() > deadline:
             _check_job(cluster, len(client.ids), n, timeout)
             tails = "\n".join(_log_tail(lau) for lau in cluster.engines.values())

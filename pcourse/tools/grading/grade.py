@@ -302,8 +302,7 @@ def _judge(g: Grade, runnable: submission.Runnable, run: Executed, limit: float)
             return f"check {number[cell]}/{len(checks)}"
         return "your code" if cell in runnable.learner else f"cell {cell}"
 
-    g.passed = sum(1 for c in checks if c not in run.errors and
-                   run.stdout.get(c, "").strip() == runnable.checks[c].strip())
+    g.passed = sum(1 for c in checks if run.passed(c, runnable.checks[c]))
     if run.stopped and run.stopped[0] == "grader":
         g.status, g.first_failure = "error", f"the grader could not run it: {run.detail}"
         return
@@ -335,11 +334,9 @@ def _problem(run: Executed, cell: int, expected: str | None) -> str | None:
     """What went wrong in one cell, in a line; None if nothing did."""
     if cell in run.errors:
         return explain(": ".join(run.errors[cell]))
-    if expected is None:
+    if run.passed(cell, expected):
         return None
     got = run.stdout.get(cell, "").strip()
-    if got == expected.strip():
-        return None
     fail = next((ln for ln in got.splitlines() if ": FAIL: " in ln), None)
     if fail:
         return explain(fail.split(": FAIL: ", 1)[1])

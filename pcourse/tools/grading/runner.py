@@ -66,6 +66,13 @@ class Executed:
     seconds: float = 0.0
     first_failure: int | None = None  # the cell of Job.stop_at that failed (nothing ran after)
 
+    def passed(self, cell: int, expected: str | None = None) -> bool:
+        """The one rule for a cell that passed: it raised nothing and, where ``expected`` is
+        given, printed exactly that (blank space around it aside): a check passes by
+        printing the solution's line, so a check that prints PASS beside more fails."""
+        return cell not in self.errors and (
+            expected is None or self.stdout.get(cell, "").strip() == expected.strip())
+
 
 # ---------------------------------------------------------------- in the worker
 
@@ -134,8 +141,7 @@ def _discard(mc: Any) -> None:
 
     mc.client.close()
     _reap(WORKER_MARK, os.environ[WORKER_MARK], spare=_kernel_pids())
-    sandbox.end(getattr(mc, "jailed", set()))
-    sandbox.release(mc.folder)
+    sandbox.end(getattr(mc, "jailed", set()), mc.folder)
     try:
         mc.cluster.stop_cluster_sync()  # its processes are gone: this only tidies up
     except Exception:  # noqa: BLE001 - nothing left to stop
@@ -143,16 +149,20 @@ def _discard(mc: Any) -> None:
 
 
 def _retire(mc: Any, engines: int) -> None:
-    """Stop a cluster for good, and wait until every process of its jail is gone."""
+    """Stop a cluster for good, and wait until every process of its jail is gone: asked to
+    stop where its engines answer, and killed (:func:`_discard`) where they do not or
+    where stopping it failed."""
     from pcourse.tools.cluster import stop_cluster
     from pcourse.tools.grading import sandbox
 
-    if _healthy(mc, engines):
-        stop_cluster(mc)
-        sandbox.end(getattr(mc, "jailed", set()))
-        sandbox.release(mc.folder)
-    else:
-        _discard(mc)
+    try:
+        if _healthy(mc, engines):
+            stop_cluster(mc)
+            sandbox.end(getattr(mc, "jailed", set()), mc.folder)
+            return
+    except Exception:  # noqa: BLE001 - killed below, whatever was left
+        pass
+    _discard(mc)
 
 
 def _kernel_manager() -> Any:
@@ -263,18 +273,13 @@ def execute(notebook: dict, limit: float, kernel: Kernel | None = None,
                 error = next((o for o in cell.outputs if o.output_type == "error"), None)
                 if error is not None:
                     out.errors[i] = (error.ename, error.evalue)
-                if stop_at and i in stop_at and _failed(out, i, stop_at[i]):
+                if stop_at and i in stop_at and not out.passed(i, stop_at[i]):
                     out.first_failure = i
                     break
     finally:
         kernel.close()
     out.seconds = time.monotonic() - start
     return out
-
-
-def _failed(out: Executed, cell: int, expected: str | None) -> bool:
-    return cell in out.errors or (expected is not None
-                                  and out.stdout.get(cell, "").strip() != expected.strip())
 
 
 def _worker(conn: Connection, mark: str, engines: int) -> None:
@@ -290,8 +295,10 @@ def _worker(conn: Connection, mark: str, engines: int) -> None:
         while (job := conn.recv()) is not None:
             try:
                 if mc is not None and job.owner != owner:
-                    _retire(mc, engines)  # another learner: nothing of this one survives
-                    mc = None
+                    # another learner: nothing of this one survives (forgotten first, so
+                    # that a cluster that fails to stop is not stopped again for each job)
+                    old, mc = mc, None
+                    _retire(old, engines)
                 owner = job.owner
                 mc = _ready_or_retry(mc, engines, where)
                 if spare is not None and not spare.alive():  # killed while it waited

@@ -377,8 +377,9 @@ def namespaces(mc: Any) -> set[int]:
     return found
 
 
-def end(spaces: set[int], timeout: float = 30.0) -> None:
-    """Kill every process left in ``spaces`` (PID namespaces) and wait until none is left.
+def end(spaces: set[int], folder: Path, timeout: float = 30.0) -> None:
+    """End the jail of the cluster in ``folder``: kill every process left in ``spaces`` (its
+    PID namespaces), wait until none is left, and remove its cgroups (:func:`release`).
 
     Killing bubblewrap kills the jail's first process, but bubblewrap's init waits for
     every process of its namespace, and one that detached (``setsid``) keeps the jail
@@ -395,6 +396,7 @@ def end(spaces: set[int], timeout: float = 30.0) -> None:
             except OSError:
                 continue
         time.sleep(0.05)
+    release(folder, timeout=max(1.0, deadline - time.monotonic()))
 
 
 def _members(spaces: set[int]) -> list[int]:

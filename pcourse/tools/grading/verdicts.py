@@ -61,7 +61,7 @@ def outcomes(runnable: submission.Runnable, run: Executed) -> list[Check]:
         if cell in run.errors:
             found.append(Check(False, explain(": ".join(run.errors[cell]))))
         elif got:
-            found.append(Check(got == runnable.checks[cell].strip(), got))
+            found.append(Check(run.passed(cell, runnable.checks[cell]), got))
         else:
             found.append(Check(False, "did not run: the notebook stopped before this check"
                                if run.stopped or run.first_failure is not None
