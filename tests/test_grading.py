@@ -934,5 +934,5 @@ def test_a_jail_as_a_whole_is_bounded_in_memory_and_processes(tmp_path, monkeypa
     dead = _mkdir(tmp_path / "pcourse-cluster-999999999-x")
     assert len(sandbox.cgroups(dead)) == len(sandbox._cgroup_parents())
     sandbox.release(owner=999999999)
-    assert not any((parent / f"pcourse-{f.name}").exists() for f in (folder, dead)
+    assert not any((parent / sandbox._cgroup_name(f)).exists() for f in (folder, dead)
                    for parent, _ in sandbox._cgroup_parents())

@@ -513,8 +513,8 @@ def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout:
                     "this environment."
                 )
         if cluster.controller is None or _exited(cluster.controller):
-            tail = _log_tail(cluster.controller) if cluster.controller else "(none)"
-            how = _how_it_ended(cluster.controller) if cluster.controller else "never started"
+            how, tail = ((_how_it_ended(cluster.controller), _log_tail(cluster.controller))
+                         if cluster.controller else ("never started", "(none)"))
             raise ClusterError(f"the ipcontroller exited during start ({how}). Its log:\n{tail}")
         if time.monotonic() > deadline:
             _check_job(cluster, len(client.ids), n, timeout)

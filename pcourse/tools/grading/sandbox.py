@@ -40,7 +40,7 @@ import signal
 import struct
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -323,25 +323,24 @@ def release(folder: Path | None = None, owner: int | None = None, timeout: float
     :func:`end`). RuntimeError after ``timeout``."""
     deadline = time.monotonic() + timeout
     # a cluster's folder is named for the process that started it (engines._new_folder)
-    made_by = Path(f"pcourse-cluster-{owner or os.getpid()}-*")
-    name = _cgroup_name(folder or made_by)
+    name = _cgroup_name(folder or Path(f"pcourse-cluster-{owner or os.getpid()}-*"))
     for parent, _ in _cgroup_parents():
         for group in parent.glob(name):
             while not _remove(group):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the cgroup {group} still holds processes")
-                _kill_members(group)
+                try:
+                    _kill(map(int, (group / "cgroup.procs").read_text().split()))
+                except OSError:  # removed meanwhile
+                    pass
                 time.sleep(0.05)
 
 
-def _kill_members(group: Path) -> None:
-    try:
-        pids = (group / "cgroup.procs").read_text().split()
-    except OSError:
-        return
+def _kill(pids: Iterable[int]) -> None:
+    """SIGKILL each of ``pids`` that is still there."""
     for pid in pids:
         try:
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except OSError:
             continue
 
@@ -390,11 +389,7 @@ def end(spaces: set[int], folder: Path, timeout: float = 30.0) -> None:
     while spaces and (left := _members(spaces)):
         if time.monotonic() > deadline:
             raise RuntimeError(f"processes {sorted(left)[:5]} of a jail outlived it")
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                continue
+        _kill(left)
         time.sleep(0.05)
     release(folder, timeout=max(1.0, deadline - time.monotonic()))
 
