@@ -6,8 +6,9 @@ Each job names its ``owner`` (the learner): a worker starts a fresh cluster of
 ran one learner's code ever runs another's; the parent hands a worker the next
 notebook of the learner it has, so each learner's cluster starts once. Each notebook
 runs in a fresh kernel that attaches to the cluster
-(:func:`pcourse.tools.grading.harness.start_cluster`). Between one learner's notebooks
-the worker checks that every engine still answers through MPI, and resets what the
+(:func:`pcourse.tools.grading.harness.start_cluster`), forked from the worker's warm
+server (:mod:`pcourse.tools.grading.forkserver`) where it can be. Between one learner's
+notebooks the worker checks that every engine still answers through MPI, and resets what the
 code could leave behind (namespaces, a torch.distributed group, torch defaults,
 environment variables); when a notebook left the engines stuck, killed one, or
 ran out of time, the worker starts a fresh cluster. Jobs without an owner (the test
@@ -42,6 +43,7 @@ START_ALLOWANCE = 180.0  # seconds a worker may spend (re)starting its cluster
 RUN_MARK = "PCOURSE_GRADE_RUN"  # every process of one grading run carries it
 WORKER_MARK = "PCOURSE_GRADE_WORKER"  # and every process of one worker this one
 HIDE_ENV = "PCOURSE_GRADER_HIDE"  # paths the engines must not see (os.pathsep between)
+FORK_ENV = "PCOURSE_GRADER_FORK"  # 0: every kernel a fresh Python, not forked (slower)
 
 
 @dataclass
@@ -166,9 +168,12 @@ def _retire(mc: Any, engines: int) -> None:
 
 
 def _kernel_manager() -> Any:
-    """A kernel on this very Python (the venv's), whatever kernelspecs are installed."""
+    """A kernel on this very Python (the venv's), whatever kernelspecs are installed: forked
+    from this worker's warm server (:mod:`pcourse.tools.grading.forkserver`) where it has one."""
     from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager
+
+    from pcourse.tools.grading import forkserver
 
     class ThisPython(KernelSpecManager):
         def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
@@ -176,7 +181,12 @@ def _kernel_manager() -> Any:
                                     "{connection_file}"], display_name="grader",
                               language="python")
 
-    return AsyncKernelManager(kernel_spec_manager=ThisPython(), kernel_name="python3")
+    km = AsyncKernelManager(kernel_spec_manager=ThisPython(), kernel_name="python3",
+                            kernel_id=str(uuid.uuid4()))
+    km.provisioner = forkserver.Provisioner(kernel_id=km.kernel_id, kernel_spec=km.kernel_spec,
+                                            parent=km)
+    km.provisioner.server = _server
+    return km
 
 
 # What every exercise's first cell imports: a kernel started ahead of its notebook
@@ -184,11 +194,14 @@ def _kernel_manager() -> Any:
 WARM_UP = "import numpy, torch, mpi4py.MPI, ipyparallel\nimport pcourse.tools.grading.refs"
 
 _kernels: list[Kernel] = []
+_server: Any = None  # the worker's kernel fork server, where it has one
 
 
 def _kernel_pids() -> set[int]:
+    """The grader's own processes in a worker, spared when a cluster is killed by its mark."""
     return {k.km.provisioner.pid for k in _kernels if k.km and k.km.provisioner
-            and getattr(k.km.provisioner, "pid", None)}
+            and getattr(k.km.provisioner, "pid", None)} | (
+        {_server.process.pid} if _server is not None else set())
 
 
 class Kernel:
@@ -284,12 +297,16 @@ def execute(notebook: dict, limit: float, kernel: Kernel | None = None,
 
 def _worker(conn: Connection, mark: str, engines: int) -> None:
     """Take jobs from ``conn`` until None; answer each with an Executed."""
+    global _server
+    from pcourse.tools.grading import forkserver
     from pcourse.tools.grading.harness import CLUSTER_ENV
 
     os.environ[WORKER_MARK] = mark
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     where = Path(tempfile.mkdtemp(prefix="pcourse-grader-")) / "cluster.json"
     os.environ[CLUSTER_ENV] = str(where)
+    if os.environ.get(FORK_ENV, "1") != "0":
+        _server = forkserver.Server()  # with this environment: its kernels carry the marks
     mc, spare, owner = None, None, None
     try:
         while (job := conn.recv()) is not None:
@@ -314,6 +331,8 @@ def _worker(conn: Connection, mark: str, engines: int) -> None:
     finally:
         for k in list(_kernels):
             k.close()
+        if _server is not None:
+            _server.close()
         if mc is not None:
             _retire(mc, engines)
         shutil.rmtree(where.parent, ignore_errors=True)
