@@ -49,6 +49,8 @@ def server(monkeypatch):
     monkeypatch.setenv("PROBE_MARK", "set after the server started")  # so from the request
     monkeypatch.setattr(runner, "_server", server)
     yield server
+    for kernel in list(runner._kernels):  # those a failed test left running
+        kernel.close()
     server.close()
 
 
