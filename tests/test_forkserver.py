@@ -78,7 +78,7 @@ def test_a_killed_kernel_is_seen_dead_and_a_stuck_one_is_stopped(server):
         time.sleep(0.1)
     assert not kernel.alive()
     kernel.close()
-    out = runner.execute(_notebook("import time\ntime.sleep(1000)"), 10, runner.Kernel())
+    out = runner.execute(_notebook("import time\ntime.sleep(1000)"), 20, runner.Kernel())
     assert out.stopped == ("timeout", 0)
     out = runner.execute(_notebook("import os\nos._exit(1)", "print(1)"), 60, runner.Kernel())
     assert out.stopped == ("died", 0)

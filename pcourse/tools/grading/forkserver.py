@@ -122,12 +122,9 @@ class Forked:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"kernel {self.pid}", timeout)
-            select.select([self._fd], [], [], 0.1)
-        return self.returncode
+        if self.poll() is None and not select.select([self._fd], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired(f"kernel {self.pid}", timeout)
+        return self.poll()
 
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:
@@ -150,13 +147,14 @@ class Provisioner(LocalProvisioner):
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> Any:
         if self.server is None:
             return await super().launch_kernel(cmd, **kwargs)
+        cwd = kwargs.get("cwd") or Path.cwd()
         try:
-            self.process = self.server.fork(cmd, kwargs.get("env") or dict(os.environ),
-                                            str(kwargs.get("cwd") or Path.cwd()), self.timeout)
+            self.process = self.server.fork(cmd, kwargs.get("env") or dict(os.environ), str(cwd),
+                                            self.timeout)
         except Unavailable:
             return await super().launch_kernel(cmd, **kwargs)
         self.pid = self.pgid = self.process.pid  # a session of its own: its group is its pid
-        self.cwd = kwargs.get("cwd") or Path.cwd()
+        self.cwd = cwd
         return self.connection_info
 
 
@@ -168,7 +166,7 @@ def _serve() -> dict:
 
     for name in PRELOAD:
         importlib.import_module(name)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps itself when it ends
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children reaped by the OS as they end
     print("ready", flush=True)
     while line := sys.stdin.readline():
         request = json.loads(line)

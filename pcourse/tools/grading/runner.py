@@ -142,7 +142,7 @@ def _discard(mc: Any) -> None:
     from pcourse.tools.grading import sandbox
 
     mc.client.close()
-    _reap(WORKER_MARK, os.environ[WORKER_MARK], spare=_kernel_pids())
+    _reap(WORKER_MARK, os.environ[WORKER_MARK], spare=_own_pids())
     sandbox.end(getattr(mc, "jailed", set()), mc.folder)
     try:
         mc.cluster.stop_cluster_sync()  # its processes are gone: this only tidies up
@@ -197,7 +197,7 @@ _kernels: list[Kernel] = []
 _server: Any = None  # the worker's kernel fork server, where it has one
 
 
-def _kernel_pids() -> set[int]:
+def _own_pids() -> set[int]:
     """The grader's own processes in a worker, spared when a cluster is killed by its mark."""
     return {k.km.provisioner.pid for k in _kernels if k.km and k.km.provisioner
             and getattr(k.km.provisioner, "pid", None)} | (
