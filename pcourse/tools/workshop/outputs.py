@@ -330,7 +330,9 @@ def execute(path: Path, cell_timeout: float = CELL_TIMEOUT) -> nbformat.Notebook
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=cell_timeout, kernel_name="python3",
+    # One stream output per stream: how print's text and its newline reach the kernel's
+    # output in chunks depends on the machine's load, and a stored output must not.
+    NotebookClient(nb, timeout=cell_timeout, kernel_name="python3", coalesce_streams=True,
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     strip(nb)
     return nb
