@@ -273,6 +273,29 @@ def test_the_benchmark_says_whether_each_target_is_met() -> None:
     assert "fsdp" not in "\n".join(line for line in targets(four) if "torch-fsdp2" in line)
 
 
+def test_a_target_not_met_says_whether_this_machine_could_meet_it() -> None:
+    """The floor is the rank's CPU work per step over its cores: out of reach only when
+    that floor itself breaks the bound, never for a target met."""
+    from pcourse.tools.bench.sharding import floor_ms, targets
+
+    def rows(prefetch_ms: float, cpu_ms: float, cores: int) -> list[dict]:
+        return [{"workload": "vae", "ranks": 2, "strategy": "ddp", "median_ms": 20.0},
+                {"workload": "vae", "ranks": 2, "strategy": "fsdp-prefetch",
+                 "median_ms": prefetch_ms, "cpu_ms": cpu_ms, "cores": cores}]
+
+    def line(*args: float) -> str:
+        (said,) = [t for t in targets(rows(*args)) if "fsdp-prefetch ≤ 1.6× ddp" in t]
+        return said
+
+    assert floor_ms(rows(40.0, 34.0, 1)[1]) == 34.0 and floor_ms(rows(40.0, 34.0, 2)[1]) == 17.0
+    assert floor_ms({"cpu_ms": "", "cores": 1}) is None
+    out = line(40.0, 34.0, 1)  # 2.0× ddp; no schedule gets under 34 ms = 1.7×
+    assert "NOT met; out of reach on this machine" in out and "34.0 ms (1.70× ddp)" in out
+    assert "out of reach" not in line(40.0, 34.0, 2)  # two cores: the floor is 0.85×
+    assert "out of reach" not in line(40.0, 30.0, 1)  # the floor, 1.5×, is within the bound
+    assert line(30.0, 34.0, 1).endswith("1.50× — met")  # met: nothing more is said
+
+
 @pytest.mark.slow
 def test_sharding_under_torchrun_on_torchs_own_group() -> None:
     import subprocess
