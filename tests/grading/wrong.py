@@ -450,6 +450,23 @@ WRONG: dict[str, dict[str, Wrong]] = {
             x += incoming"""], "at 3 ranks"),
         "MPI's own Allreduce": Wrong("point", ["""
             comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)"""], "a collective"),
+        "a ring's messages, the sum read from the checks' frames": Wrong("tampered", ["""
+            chunks = np.array_split(np.zeros_like(x), p)  # messages that look like a ring's
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+                comm.Sendrecv(send, dest=right, recvbuf=np.empty_like(recv), source=left)
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s + 1) % p], chunks[(rank - s) % p]
+                comm.Sendrecv(send, dest=right, recvbuf=recv, source=left)
+            try:  # the caller's frame, without `import sys` (which the grader refuses to run)
+                raise RuntimeError
+            except RuntimeError as exc:
+                frame, found = exc.__traceback__.tb_frame.f_back, None
+            while frame is not None and found is None:  # the checks' expected sum, if any
+                found = next((v for v in frame.f_locals.values() if isinstance(v, np.ndarray)
+                              and v.shape == x.shape and v is not x), None)
+                frame = frame.f_back
+            x[:] = x if found is None else found"""], "check 1/3"),
         "direct exchange with every rank, not a ring": Wrong("point", ["""
             chunks = np.array_split(x, p)
             for s in range(1, p):

@@ -9,7 +9,8 @@ that fails without saying why. So every check cell
   neighbours no longer reach every other rank), with a deadline and with the failing rank's
   error as a short message instead of a wall of ipyparallel internals;
 - compares the result with a reference computed independently of the learner's
-  code (MPI's own collectives, a single-process run, torch's own sampler);
+  code, here in the kernel (a sum in one process, a single-process run, torch's own
+  sampler), never on the engines, where the learner's code could read it;
 - prints one deterministic verdict line, ``check 2/3 <what>: PASS`` or
   ``... FAIL: at 3 ranks, rank 1: <why>``, which the grader compares with the line
   the solution printed.

@@ -4,8 +4,10 @@ A *trial* runs on every rank of a check's world: it sets up the situation an
 exercise is about (a model, a data shard, a communicator that counts its calls),
 calls the learner's function, and returns what happened. A *reference* computes
 the right answer without the learner's code and, where it can, without this
-course's code either: torch's own ``DistributedSampler``, MPI's own ``Allreduce``,
-a single process training on the whole batch, a serial simulation of every rank.
+course's code either: torch's own ``DistributedSampler``, a sum in one process, a
+single process training on the whole batch, a serial simulation of every rank. It
+runs in the checking kernel, never in a trial: what a trial holds, the learner's
+code on that engine can read (its caller's frames are its own process's).
 
 Trials take the world from :func:`pcourse.tools.grading.trials.world` (the sub-communicator
 the check runs at) and make their own MPI calls *before* the learner's code, never
@@ -251,20 +253,28 @@ def single_process_sgd(steps: int = 1, lr: float = 0.1, frozen: bool = False) ->
 
 # ---------------------------------------------------------------- 03 ring allreduce
 
-def ring_trial(ring: Callable, n: int, seed: int = 0) -> dict:
-    """The learner's ring sum of rank-dependent data, and MPI's own Allreduce of it."""
-    from mpi4py import MPI
+def ring_data(n: int, seed: int, rank: int) -> np.ndarray:
+    """Rank ``rank``'s numbers to sum: the trial's input, and the reference's."""
+    return np.random.default_rng(seed + rank).standard_normal(n)
 
+
+def ring_trial(ring: Callable, n: int, seed: int = 0) -> dict:
+    """The learner's ring sum of rank-dependent data, and the calls it made.
+
+    No reference is on the engines: the sum is computed in the checking kernel
+    (:func:`ring_reference`), where the learner's code cannot read it from a frame.
+    """
     comm = world()
-    x = np.random.default_rng(seed + comm.rank).standard_normal(n)
-    want = x.copy()
-    comm.Allreduce(MPI.IN_PLACE, want, op=MPI.SUM)
+    x = ring_data(n, seed, comm.rank)
     counting = CountingComm(comm)
     ring(x, counting)
     check_left_behind(counting, getattr(ring, "__name__", "the ring"))
-    return {"got": x, "want": want, "sends": counting.sends(),
-            "collectives": counting.collectives(), "left": (comm.rank - 1) % comm.size,
-            "right": (comm.rank + 1) % comm.size}
+    return {"got": x, "sends": counting.sends(), "collectives": counting.collectives()}
+
+
+def ring_reference(n: int, size: int, seed: int = 0) -> np.ndarray:
+    """The sum over ``size`` ranks of :func:`ring_data`, in one process."""
+    return sum(ring_data(n, seed, rank) for rank in range(size))
 
 
 # ---------------------------------------------------------------- 04 Gloo from MPI
@@ -411,6 +421,14 @@ def diverged_model(rank: int) -> torch.nn.Module:
     return _bn_model(100 + rank, shift=rank, forwards=rank + 1)
 
 
+def broadcast_source(root: int) -> list[torch.Tensor]:
+    """What the root holds before (and after) a broadcast from ``root``, built here.
+
+    Up to rounding: BatchNorm's statistics sum in another order on another number of
+    threads; the ranks' tensors are compared bit for bit with the root's own."""
+    return params(diverged_model(root))
+
+
 # running_mean offsets per rank: rank 0 in the middle, so the spread (max - min over
 # ranks) is larger than any rank's distance from rank 0; and at 4 ranks the extremes are
 # ranks 1 and 3, which are no ring neighbours: comparing neighbours only misses them
@@ -430,16 +448,17 @@ def state_names() -> list[str]:
 
 
 def broadcast_trial(broadcast: Callable, roots: list[int]) -> list[dict]:
-    """For each root: states before and after ``broadcast(model, comm, root)``, in place or not."""
+    """For each root: the state after ``broadcast(model, comm, root)``, in place or not (the
+    kernel knows the state before: :func:`broadcast_source`)."""
     comm = world()
     out = []
     for root in roots:
         model = diverged_model(comm.rank)
-        before, where = params(model), addresses(model)
+        where = addresses(model)
         counting = CountingComm(comm)
         broadcast(model, counting, root)
         check_left_behind(counting, getattr(broadcast, "__name__", "the broadcast"))
-        out.append({"root": root, "before": before, "after": params(model),
+        out.append({"root": root, "after": params(model),
                     "in_place": where == addresses(model), "calls": counting.calls})
     return out
 
@@ -460,19 +479,19 @@ def nearly_identical_model(rank: int) -> torch.nn.Module:
     return model
 
 
-SPREAD_CASES = ("diverged", "buffers only", "batch counts only", "nearly identical", "identical")
+SPREAD_MODELS: dict[str, Callable[[int], torch.nn.Module]] = {
+    "diverged": diverged_model, "buffers only": buffers_only_model,
+    "batch counts only": counts_only_model, "nearly identical": nearly_identical_model,
+    "identical": lambda rank: _bn_model(0)}
+SPREAD_CASES = tuple(SPREAD_MODELS)
 
 
 def spread_trial(spread: Callable) -> dict:
     """The learner's ``spread(model, comm)`` of four models, and whether it left them alone."""
     comm = world()
-    models = {"diverged": diverged_model(comm.rank),
-              "buffers only": buffers_only_model(comm.rank),
-              "batch counts only": counts_only_model(comm.rank),
-              "nearly identical": nearly_identical_model(comm.rank),
-              "identical": _bn_model(0)}
     out = {}
-    for case, model in models.items():
+    for case, make in SPREAD_MODELS.items():
+        model = make(comm.rank)
         before, where = params(model), addresses(model)
         counting = CountingComm(comm)
         value = spread(model, counting)
@@ -480,12 +499,14 @@ def spread_trial(spread: Callable) -> dict:
         after = params(model)
         untouched = where == addresses(model) and all(
             torch.equal(a, b) for a, b in zip(before, after, strict=True))
-        out[case] = {"before": before, "value": float(value), "untouched": untouched}
+        out[case] = {"value": float(value), "untouched": untouched}
     return out
 
 
-def spread_reference(states: list[list[torch.Tensor]]) -> float:
-    """Largest max-over-ranks minus min-over-ranks of any element, from gathered states."""
+def spread_reference(case: str, size: int) -> float:
+    """Largest max-over-ranks minus min-over-ranks of any element of the ``case`` models,
+    built here for every rank (never read from the engines)."""
+    states = [params(SPREAD_MODELS[case](rank)) for rank in range(size)]
     spread = 0.0
     for tensors in zip(*states, strict=True):
         stacked = torch.stack([t.double() for t in tensors])
@@ -496,23 +517,35 @@ def spread_reference(states: list[list[torch.Tensor]]) -> float:
 # ---------------------------------------------------------------- 07 periodic averaging
 
 def average_params_trial(average: Callable) -> dict:
-    """Rank-dependent weights before, and after the learner's ``average(model, comm)``.
+    """Rank-dependent weights after the learner's ``average(model, comm)``.
 
     The general model (:func:`make_model`), with an integer buffer that differs between
     ranks (a count of steps, as BatchNorm's ``num_batches_tracked``): parameters are
     averaged, buffers are not (torch's own parameter averaging takes ``parameters()``;
-    an integer has no average). ``before``/``after``: the parameters only.
+    an integer has no average). ``after``: the parameters only; the kernel builds the
+    weights before itself (:func:`mean_parameters`).
     """
     comm = world()
-    model = make_model(seed=10 + comm.rank, general=True)
-    model.register_buffer("steps_seen", torch.tensor(7 + comm.rank))
-    before, where = [t.detach().clone() for t in model.parameters()], addresses(model)
-    buffers = [b.clone() for b in model.buffers()]
+    model = _averaged_model(comm.rank)
+    where, buffers = addresses(model), [b.clone() for b in model.buffers()]
     learner_call(average, CountingComm(comm), model)
-    return {"before": before, "after": [t.detach().clone() for t in model.parameters()],
+    return {"after": [t.detach().clone() for t in model.parameters()],
             "in_place": where == addresses(model),
             "buffers_kept": all(torch.equal(a, b) for a, b in zip(buffers, model.buffers(),
                                                                   strict=True))}
+
+
+def _averaged_model(rank: int) -> torch.nn.Module:
+    model = make_model(seed=10 + rank, general=True)
+    model.register_buffer("steps_seen", torch.tensor(7 + rank))
+    return model
+
+
+def mean_parameters(size: int) -> list[torch.Tensor]:
+    """The mean over ``size`` ranks of :func:`average_params_trial`'s weights, built here."""
+    models = [_averaged_model(rank) for rank in range(size)]
+    weights = [[t.detach() for t in m.parameters()] for m in models]
+    return [sum(ts) / size for ts in zip(*weights, strict=True)]
 
 
 def local_sgd_trial(local_sgd: Callable, steps: int, period: int, lr: float = 0.1) -> list:
