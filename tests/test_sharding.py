@@ -296,6 +296,22 @@ def test_a_target_not_met_says_whether_this_machine_could_meet_it() -> None:
     assert line(30.0, 34.0, 1).endswith("1.50× — met")  # met: nothing more is said
 
 
+def test_zero_not_met_says_what_its_collectives_cost_against_ddps() -> None:
+    from pcourse.tools.bench.sharding import targets
+
+    costs = {"model_rs_ms": 3.0, "model_ag_ms": 2.0, "model_ar_ms": 4.0}
+    rows = [{"workload": "vae", "ranks": 2, "strategy": "ddp", "median_ms": 20.0, **costs},
+            {"workload": "vae", "ranks": 2, "strategy": "zero1", "median_ms": 24.0,
+             "cpu_ms": 19.0, "cores": 1, **costs},  # floor 0.95×: within reach
+            {"workload": "vae", "ranks": 2, "strategy": "zero2-overlap", "median_ms": 21.0,
+             "cpu_ms": 19.0, "cores": 1, **costs}]
+    said = {t.split(":")[0]: t for t in targets(rows)}
+    assert said["target zero1 ≤ 1.1× ddp (vae, 2 ranks)"].endswith(
+        "1.20× — NOT met; ZeRO's reduce-scatter and all-gather of the whole model take 5.00 ms "
+        "here, DDP's allreduce of it 4.00 ms (1.25×)")
+    assert said["target zero2-overlap ≤ 1.1× ddp (vae, 2 ranks)"].endswith("1.05× — met")
+
+
 @pytest.mark.slow
 def test_sharding_under_torchrun_on_torchs_own_group() -> None:
     import subprocess
