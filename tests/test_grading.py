@@ -409,6 +409,48 @@ def test_what_the_engines_send_back_is_read_as_data_only():
     assert isinstance(forged_exec, harness.Refused) and builtins.print is printing
 
 
+def test_results_are_placed_by_the_kernel_never_by_the_rank_an_engine_claims():
+    """Each engine's rank in a trial's world is known in the kernel (the sub-world numbers
+    the last ranks in reverse); a result labelled otherwise, or missing, is refused."""
+    from types import SimpleNamespace
+
+    from pcourse.tools.grading import harness
+
+    class Done:
+        def __init__(self, value):
+            self.value = value
+
+        def ready(self):
+            return True
+
+        def get(self, timeout=None):
+            return self.value
+
+    class Client:  # a learner's own cluster: engine i is world rank i
+        def __init__(self, values):
+            self.ids, self.values = list(range(len(values))), values
+
+        def __getitem__(self, i):
+            return SimpleNamespace(apply_async=lambda *args: Done(self.values[i]))
+
+    def run(*values, ranks=3):
+        return harness.run(SimpleNamespace(client=Client(values)), lambda: None, ranks=ranks)
+
+    # 4 engines, a 3-rank world: world ranks 1, 2, 3 are its ranks 2, 1, 0
+    honest = [None, {"rank": 2, "value": "c"}, {"rank": 1, "value": "b"},
+              {"rank": 0, "value": "a"}]
+    assert run(*honest) == ["a", "b", "c"]
+    swapped = [None, {"rank": 2, "value": "c"}, {"rank": 0, "value": "b"},
+               {"rank": 1, "value": "a"}]
+    with pytest.raises(harness.ExerciseError, match="world rank 2 sent back a result as rank 0"):
+        run(*swapped)
+    with pytest.raises(harness.ExerciseError, match="world rank 3 sent back a result as rank None"):
+        run(*honest[:3], None)  # a rank of the world that says it was outside
+    with pytest.raises(harness.ExerciseError, match="world rank 0 sent back a result as rank 3"):
+        run({"rank": 3, "value": "d"}, *honest[1:])  # one outside that claims a place
+    assert not harness._stuck
+
+
 SETUP = "import numpy as np\nfrom mpi4py import MPI\nfrom pcourse.tools.grading.harness import " \
     "run\n" \
         "mc = start()\n"

@@ -82,6 +82,25 @@ def test_gpipe_is_named_and_an_off_by_one_warm_up_is_told_apart():
     assert "GPipe" not in late and "a warm-up of min(p - rank - 1, m) = 0 forwards" in late
 
 
+def test_orders_and_gradients_are_taken_as_the_cases_asked_for_not_as_labelled():
+    """A result labelled as an easier case (m = 1), or cases left out, must not pass."""
+    cases = refs.pipe_order_cases()
+    easy = [{"p": p, "rank": r, "m": 1, "order": refs.one_f_one_b_reference(p, r, 1)}
+            for p, r, _ in cases]  # every order m = 1's, each labelled m = 1
+    said = refs.pipe_orders_problem(easy)
+    assert said == "at p=2, m=2, stage 0: micro-batch 1 never goes forward"
+    right = [{"p": p, "rank": r, "m": m, "order": refs.one_f_one_b_reference(p, r, m)}
+             for p, r, m in cases]
+    assert refs.pipe_orders_problem(right) is None
+    assert "orders where" in refs.pipe_orders_problem(right[:-1])
+    want = {m: refs.one_process_pipe(2, m) for m in refs.PIPE_MS}
+    stage = [{"m": m, "grads": want[m]["grads"][0]} for m in refs.PIPE_MS]
+    assert refs.pipe_stage_problem(stage, want, 0) is None
+    assert "were asked for" in refs.pipe_stage_problem(stage[:1], want, 0)
+    relabelled = [{"m": 1, "grads": want[1]["grads"][0]} for _ in refs.PIPE_MS]
+    assert refs.pipe_stage_problem(relabelled, want, 0).startswith(f"m={refs.PIPE_MS[1]}: ")
+
+
 # ---------------------------------------------------------------- the loop, on threads
 
 class Mailbox:

@@ -308,21 +308,31 @@ def run(mc: Any, fn: Callable, *args: Any, ranks: int, timeout: float = RUN_TIME
     if mine:
         mc.view.push(mine, block=True)
     pending = [mc.client[i].apply_async(_trials.on_ranks, ranks, fn, args, kwargs) for i in ids]
-    outcomes, finished = _collect(pending, timeout)
+    # each engine's rank in the trial's world (trials.subworld), known here: never read from it
+    place = [len(ids) - 1 - k if k >= len(ids) - ranks else None for k in range(len(ids))]
+    outcomes, finished = _collect(pending, timeout, place)
     if not finished:
         _stuck = True
-    failed = sorted((o for o in outcomes if o and "error" in o), key=lambda o: o["rank"])
+    failed = sorted((o for o in outcomes if o and "error" in o),
+                    key=lambda o: (o["rank"] is None, o["rank"] or 0))
     if failed:
         name, message, where = failed[0]["error"]
         detail = f"\n{where}" if where else ""
         left = "" if finished else " (and the other ranks never finished)"
-        raise ExerciseError(f"at {ranks} ranks, rank {failed[0]['rank']} raised "
-                            f"{name}: {message}{left}{detail}")
+        who = "an engine outside it" if failed[0]["rank"] is None else f"rank {failed[0]['rank']}"
+        raise ExerciseError(f"at {ranks} ranks, {who} raised {name}: {message}{left}{detail}")
     if not finished:
         raise ExerciseError(
             f"at {ranks} ranks, the code did not finish within {timeout:.0f} s on every rank. "
             "A deadlock? Every send needs a matching receive on the neighbour, and every "
             "rank must call the same collectives in the same order.")
+    misplaced = [k for k, o in enumerate(outcomes) if place[k] != (o or {}).get("rank")]
+    if misplaced:
+        k = misplaced[0]
+        raise ExerciseError(
+            f"at {ranks} ranks, the engine of world rank {k} sent back a result as rank "
+            f"{(outcomes[k] or {}).get('rank')}, where it is rank {place[k]} of the check's "
+            "world: did the code replace the checks' functions?")
     done = sorted((o for o in outcomes if o), key=lambda o: o["rank"])
     for o in done:
         refused = _refusals(o["value"])
@@ -333,8 +343,11 @@ def run(mc: Any, fn: Callable, *args: Any, ranks: int, timeout: float = RUN_TIME
     return [o["value"] for o in done]
 
 
-def _collect(pending: list, timeout: float) -> tuple[list, bool]:
+def _collect(pending: list, timeout: float, place: list[int | None]) -> tuple[list, bool]:
     """Every engine's outcome (None where unfinished), and whether all finished.
+
+    ``place``: each engine's rank in the trial's world (None: outside it), the rank an
+    error of the engine's own is said at.
 
     Stops waiting ``ERROR_GRACE`` seconds after the first error: the other ranks are
     then usually waiting for the failed one, forever.
@@ -350,14 +363,14 @@ def _collect(pending: list, timeout: float) -> tuple[list, bool]:
                     outcomes[k] = result.get(0) or {}
                     if outcomes[k] != {} and not (isinstance(outcomes[k], dict)
                                                   and "rank" in outcomes[k]):
-                        outcomes[k] = {"rank": k, "error": (
+                        outcomes[k] = {"rank": place[k], "error": (
                             "TamperError", f"the engine sent back {outcomes[k]!r}, not what "
                             "the check asked for: did the code replace the checks' functions?",
                             "")}
                 except (ipp.error.EngineError, ipp.error.RemoteError) as exc:
                     died = isinstance(exc, ipp.error.EngineError) \
                         or getattr(exc, "ename", "") == "EngineError"
-                    outcomes[k] = {"rank": k, "error": (
+                    outcomes[k] = {"rank": place[k], "error": (
                         ("EngineError", ENGINE_DIED, "") if died else
                         (getattr(exc, "ename", type(exc).__name__), str(exc), ""))}
         if all(o is not None for o in outcomes):

@@ -326,7 +326,7 @@ def gloo_trial(init: Callable, timeout_s: float) -> dict:
                 "returned": type(where).__name__, "os_ports": chosen,
                 "store": (getattr(store, "host", None), getattr(store, "port", None)),
                 "rank": dist.get_rank(), "size": dist.get_world_size(),
-                "mpi": (comm.rank, comm.size), "sum": t.numpy(), "calls": counting.calls,
+                "sum": t.numpy(), "calls": counting.calls,
                 "timeout": private.default_group_timeout()}
     finally:
         if dist.is_initialized():
@@ -864,7 +864,7 @@ def tp_mlp_trial(column_block: Callable, row_block: Callable, column_linear: Cal
                             f"{tuple(weights.shape)}")
         if out.requires_grad:
             (out * weights).sum().backward()
-        return {"out": out.detach().clone(), "group": group.index,
+        return {"out": out.detach().clone(),
                 "grads": [None if t.grad is None else t.grad.clone() for t in [x, *params]]}
 
 
@@ -997,15 +997,15 @@ def in_flight(order: list[tuple[str, int]]) -> int:
     return peak
 
 
+def pipe_order_cases() -> list[tuple[int, int, int]]:
+    """(p, rank, m) of every order :func:`pipe_order_trial` asks for, in its order."""
+    return [(p, rank, m) for p in PIPE_ORDER_SIZES for m in range(1, 9) for rank in range(p)]
+
+
 def pipe_order_trial(one_f_one_b: Callable) -> list[dict]:
     """The learner's order of every stage at p = 2, 3, 4 and m = 1..8 (plain Python)."""
-    out = []
-    for p in PIPE_ORDER_SIZES:
-        for m in range(1, 9):
-            for rank in range(p):
-                got = one_f_one_b(p, rank, m)
-                out.append({"p": p, "rank": rank, "m": m, "order": _plain_order(got)})
-    return out
+    return [{"p": p, "rank": rank, "m": m, "order": _plain_order(one_f_one_b(p, rank, m))}
+            for p, rank, m in pipe_order_cases()]
 
 
 def _plain_order(order: Any) -> list[tuple[str, int]]:
@@ -1061,8 +1061,16 @@ def pipe_orders_problem(results: list[dict]) -> str | None:
     """The first stage, size and m whose order is wrong, in plain words; None if none.
 
     An order that is GPipe's everywhere is said to be, at the first place it differs from
-    1F1B's: its gradients are right, only the count in flight shows it.
+    1F1B's: its gradients are right, only the count in flight shows it. Each order is
+    taken as the case asked for in its place (:func:`pipe_order_cases`), whatever the
+    engine labelled it.
     """
+    cases = pipe_order_cases()
+    if len(results) != len(cases):
+        return (f"the engine sent back {len(results)} orders where {len(cases)} were asked "
+                "for: did the code replace the checks' functions?")
+    results = [{"p": p, "rank": rank, "m": m, "order": r["order"]}
+               for (p, rank, m), r in zip(cases, results, strict=True)]
     if all([tuple(s) for s in r["order"]] == gpipe_order(r["m"]) for r in results):
         for r in results:
             want = one_f_one_b_reference(r["p"], r["rank"], r["m"])
@@ -1311,6 +1319,16 @@ def one_process_pipe(p: int, m: int) -> dict:
 
 
 PIPE_NAMES = [f"block {j}'s {what}" for j in range(PIPE_LAYERS) for what in ("weight", "bias")]
+
+
+def pipe_stage_problem(got: list[dict], want: dict[int, dict], rank: int) -> str | None:
+    """The first m (:data:`PIPE_MS`, in order, as asked) whose gradients are wrong on this
+    stage; ``want``: one process's run for each m (:func:`one_process_pipe`)."""
+    if len(got) != len(PIPE_MS):
+        return (f"{len(got)} results where {len(PIPE_MS)} were asked for (m = "
+                f"{', '.join(map(str, PIPE_MS))}): did the code replace the checks' functions?")
+    return next(filter(None, (pipe_grads_problem({**one, "m": m}, want[m], rank)
+                              for m, one in zip(PIPE_MS, got, strict=True))), None)
 
 
 def pipe_grads_problem(got: dict, want: dict, rank: int) -> str | None:
