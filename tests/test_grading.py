@@ -960,10 +960,12 @@ def test_a_jail_as_a_whole_is_bounded_in_memory_and_processes(tmp_path, monkeypa
         return subprocess.run([*jail["prefix"], sys.executable, "-c", code],
                               capture_output=True, text=True, timeout=120)
 
-    # four processes of 100 MiB each: any one alone is far below every rlimit
-    eat = ("import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        break\n"
+    # four processes of 100 MiB each: any one alone is far below every rlimit. The first
+    # waits for the others: the jail ends with it, and under load a child can still be eating
+    eat = ("import os, time\nkids = []\nfor _ in range(3):\n    pid = os.fork()\n"
+           "    if pid == 0:\n        kids = []\n        break\n    kids.append(pid)\n"
            "x = bytearray(100 << 20)\nfor i in range(0, len(x), 4096):\n    x[i] = 1\n"
-           "time.sleep(2)\nprint('fed', flush=True)")
+           "time.sleep(2)\nprint('fed', flush=True)\nfor pid in kids:\n    os.waitpid(pid, 0)")
     assert jailed(eat.replace("100 << 20", "10 << 20")).stdout.count("fed") == 4  # fits
     assert jailed(eat).stdout.count("fed") < 4  # together past 256 MiB: the kernel kills
     spawn = ("import subprocess\nok = 0\nfor _ in range(100):\n    try:\n"
