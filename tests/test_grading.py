@@ -297,7 +297,7 @@ def test_failures_are_explained_in_plain_words():
 def test_a_cluster_that_fails_to_start_is_tried_once_more_before_a_learner_pays(monkeypatch):
     calls = []
 
-    def ready(mc, engines, where, fails=1):
+    def ready(mc, engines, where, relay=True, fails=1):
         calls.append(mc)
         if len(calls) <= fails:
             raise RuntimeError(f"start {len(calls)} did not finish initialising")
@@ -308,7 +308,7 @@ def test_a_cluster_that_fails_to_start_is_tried_once_more_before_a_learner_pays(
     assert runner._ready_or_retry("old", 3, Path("x")) == "fresh"
     assert calls == ["old", ("discarded", "old"), None]
     calls.clear()  # twice in a row: the second failure is the one reported
-    monkeypatch.setattr(runner, "_ready", lambda mc, e, w: ready(mc, e, w, fails=2))
+    monkeypatch.setattr(runner, "_ready", lambda mc, e, w, r: ready(mc, e, w, r, fails=2))
     with pytest.raises(RuntimeError, match="start 2"):
         runner._ready_or_retry(None, 3, Path("x"))
 
@@ -750,6 +750,7 @@ def _assert_jailed(first_failure: str) -> None:
     assert seen["nnp"] == "1" and seen["seccomp"] == "2", seen  # 2: a filter
     assert all(seen[k] != "0" for k in ("umount", "remount", "unshare")), seen
     assert seen["ifaces"] == "lo", seen  # a network of its own: the controller is a socket
+    assert seen["others"] == "0", seen  # alone: no engine, no mpiexec, no other rank in sight
     assert seen["seen"] == "-", f"learner code read {seen['seen']}"
 
 

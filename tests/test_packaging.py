@@ -89,7 +89,8 @@ DISTRIBUTIONS = {"torch": "torch", "numpy": "numpy", "mpi4py": "mpi4py", "ipypar
                  "cupy": "cupy-cuda12x", "playwright": "playwright",
                  "myst_nb": "myst-nb", "sphinx_book_theme": "sphinx-book-theme",
                  "jupyter_client": "jupyter_client",
-                 "jupyter_core": "jupyter_core", "ipykernel": "ipykernel"}
+                 "jupyter_core": "jupyter_core", "ipykernel": "ipykernel",
+                 "cloudpickle": "cloudpickle"}
 
 
 def _imported_modules(folder: Path) -> set[str]:

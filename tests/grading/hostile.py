@@ -1,7 +1,8 @@
 """Learner code that attacks the grader, as a hostile learner would (tests/test_grading.py).
 
-Each is top-level code added to a learner cell: it runs on the engines, inside the
-grader's jail (pcourse.tools.grading.sandbox). An attack that reports back raises an
+Each is top-level code added to a learner cell: it runs in the learner's processes (one
+per rank, behind the engines: pcourse.tools.grading.relay), inside the grader's jail
+(pcourse.tools.grading.sandbox). An attack that reports back raises an
 error whose one line (``HOSTILE key=value ...``) becomes the row's reason: the test
 reads what the code could do there. Every piece passes the grader's static reading
 of a learner cell (no ``open``, ``sys``, ``subprocess``...): it is the jail, not the
@@ -32,12 +33,22 @@ _st = {{k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in _status
 _fd = os.open("/proc/net/dev", os.O_RDONLY)
 _ifaces = [ln.split(":")[0].strip() for ln in os.read(_fd, 1 << 16).decode().splitlines()[2:]]
 os.close(_fd)
+_others = 0  # processes of the cluster in sight: engines, mpiexec, the controller
+for _pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        _fd = os.open(f"/proc/{{_pid}}/cmdline", os.O_RDONLY)
+        _cmd = os.read(_fd, 1 << 12)
+        os.close(_fd)
+    except OSError:
+        continue
+    _others += any(w in _cmd for w in (b"ipyparallel", b"mpiexec", b"hydra"))
 _rc = {{w: os.waitstatus_to_exitcode(os.system(c + " >/dev/null 2>&1")) for w, c in [
     ("umount", "umount -l /tmp"), ("remount", "mount -o remount,rw /"),
     ("unshare", "unshare -Urm true"), ("kill1", "kill -9 1")]}}
 raise RuntimeError("HOSTILE " + " ".join(f"{{k}}={{v}}" for k, v in [
     ("uid", os.getuid()), ("caps", _st.get("CapEff")), ("nnp", _st.get("NoNewPrivs")),
     ("seccomp", _st.get("Seccomp")), *_rc.items(), ("ifaces", ",".join(_ifaces)),
+    ("others", _others),
     ("seen", ",".join(_seen) or "-")]))
 """
 

@@ -118,6 +118,15 @@ PARTITION_PER_2 = """
     per = n // 2
     return order[rank * per:(rank + 1) * per].tolist()"""
 
+RING_FOR_SHOW = """
+            chunks = np.array_split(np.zeros_like(x), p)  # messages that look like a ring's
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
+                comm.Sendrecv(send, dest=right, recvbuf=np.empty_like(recv), source=left)
+            for s in range(p - 1):
+                send, recv = chunks[(rank - s + 1) % p], chunks[(rank - s) % p]
+                comm.Sendrecv(send, dest=right, recvbuf=recv, source=left)"""  # no sum: for show
+
 RING_LEFT = """
     chunks = np.array_split(x, p)
     for s in range(p - 1):
@@ -450,14 +459,8 @@ WRONG: dict[str, dict[str, Wrong]] = {
             x += incoming"""], "at 3 ranks"),
         "MPI's own Allreduce": Wrong("point", ["""
             comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)"""], "a collective"),
-        "a ring's messages, the sum read from the checks' frames": Wrong("tampered", ["""
-            chunks = np.array_split(np.zeros_like(x), p)  # messages that look like a ring's
-            for s in range(p - 1):
-                send, recv = chunks[(rank - s) % p], chunks[(rank - s - 1) % p]
-                comm.Sendrecv(send, dest=right, recvbuf=np.empty_like(recv), source=left)
-            for s in range(p - 1):
-                send, recv = chunks[(rank - s + 1) % p], chunks[(rank - s) % p]
-                comm.Sendrecv(send, dest=right, recvbuf=recv, source=left)
+        "a ring's messages, the sum read from the checks' frames": Wrong("tampered", [
+            RING_FOR_SHOW + """
             try:  # the caller's frame, without `import sys` (which the grader refuses to run)
                 raise RuntimeError
             except RuntimeError as exc:
@@ -467,6 +470,30 @@ WRONG: dict[str, dict[str, Wrong]] = {
                               and v.shape == x.shape and v is not x), None)
                 frame = frame.f_back
             x[:] = x if found is None else found"""], "check 1/3"),
+        "a ring's messages, the sum by Allreduce, its record popped": Wrong("tampered", [
+            RING_FOR_SHOW + """
+            comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+            comm.calls.pop()  # the Allreduce, out of the record the checks read"""],
+            "a collective"),
+        "the trial replaced by one that forges a ring's calls": Wrong("tampered", ["""
+            import os
+            found = os.sys.modules  # the checks' modules, loaded by the first trial
+            r_, t_ = found["pcourse.tools.grading.refs"], found["pcourse.tools.grading.trials"]
+
+            def forged(ring, n, seed=0):  # the trial every later check runs instead
+                c = t_.world()
+                y = r_.ring_data(n, seed, c.rank)
+                c.Allreduce(MPI.IN_PLACE, y, op=MPI.SUM)
+                step = t_.Call("Sendrecv", -(-n // c.size), (c.rank + 1) % c.size)
+                return {"got": y, "calls": [step] * (2 * (c.size - 1))}
+
+            r_.ring_trial = forged
+            comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)"""], "reported MPI calls other than"),
+        "a ring's messages, the sum met through /dev/shm": Wrong("tampered", ["""
+            np.save(f"/dev/shm/ring-{rank}.npy", x)  # where the others look, after the ring"""
+            + RING_FOR_SHOW + """
+            x[:] = sum(np.load(f"/dev/shm/ring-{r}.npy") for r in range(p))"""],
+            "No such file"),
         "direct exchange with every rank, not a ring": Wrong("point", ["""
             chunks = np.array_split(x, p)
             for s in range(1, p):

@@ -49,7 +49,7 @@ from pathlib import Path
 import nbformat
 
 from pcourse.tools.grading import lms, submission
-from pcourse.tools.grading.runner import HIDE_ENV, Executed, Job, run_jobs
+from pcourse.tools.grading.runner import HIDE_ENV, NETWORKED, Executed, Job, run_jobs
 from pcourse.tools.grading.verdicts import Grade, explain, outcomes
 from pcourse.utils.io import (
     NotWritable,
@@ -191,7 +191,8 @@ def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIM
         runnables[k] = runnable
         owner = None if trusted else (learners[k] if learners else str(path.parent.resolve()))
         todo.append(Job(k, runnable.notebook, timeout, owner,
-                        _graded_cells(runnable) if first_failure_only else None))
+                        _graded_cells(runnable) if first_failure_only else None,
+                        apart=name not in NETWORKED))
 
     def judged(k: int, executed: Executed) -> None:
         _judge(grades[k], runnables[k], executed, timeout)
@@ -265,9 +266,10 @@ def _isolation_notes() -> list[str]:
     prefix, unshared = containment()
     if prefix:
         return [f"weaker sandbox: {why}; the learner's code ran as this user, in mount and "
-                "PID namespaces only (it could undo them as root, and reach the network)"]
+                "PID namespaces only (it could undo them as root, and reach the network), "
+                "on the engines that count its MPI calls"]
     return [f"not sandboxed: {why}, and {unshared}; the learner's code could reach other "
-            "processes and files of this user"]
+            "processes and files of this user, and ran on the engines that count its MPI calls"]
 
 
 FIRST_FAILURE_ONLY = "graded to its first failure only: the checks after it did not run"

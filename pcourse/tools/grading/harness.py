@@ -18,9 +18,10 @@ that fails without saying why. So every check cell
 The grader runs the check cells from ``solutions/``, never the learner's copy, and
 attaches every notebook to a cluster it started (:func:`start_cluster`). Under the
 grader the learner's code never runs in the kernel that prints the verdicts: its
-cells run on the engines only (:func:`define`), the kernel holds a stand-in for each
-name they bind (:class:`OnEngines`), and what comes back from the engines is read
-as data only (:func:`safe_loads`: numbers, strings, arrays, tensors, the checks' own
+cells run in a learner process behind each engine (:mod:`pcourse.tools.grading.relay`;
+on the engines themselves where there is none) and nowhere else (:func:`define`), the
+kernel holds a stand-in for each name they bind (:class:`OnEngines`), and what comes
+back is read as data only (:func:`safe_loads`: numbers, strings, arrays, tensors, the checks' own
 records; anything else arrives as :class:`Refused`, never run). So no learner code
 can patch ``print``, ``verdict`` or a module of the process that decides a grade.
 """
@@ -28,20 +29,22 @@ can patch ``print``, ``verdict`` or a module of the process that decides a grade
 from __future__ import annotations
 
 import inspect
-import io
 import os
-import pickle
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
+from pcourse.tools.grading import relay as _relay
 from pcourse.tools.grading import trials as _trials
+from pcourse.tools.grading.data import Refused, _refused, safe_loads  # noqa: F401 - re-exported
+from pcourse.tools.grading.data import refusals as _refusals
 
 # re-exported
 from pcourse.tools.grading.trials import Call, CountingComm, DeadlockError  # noqa: F401
@@ -55,9 +58,9 @@ CELL_TIMEOUT = 20.0  # seconds for a learner's cell, which should only define fu
 RUN_TIMEOUT = 60.0  # seconds for one trial on every rank: a Gloo group's start waits on sockets
 ERROR_GRACE = 3.0  # seconds the other ranks get to finish once one rank has failed
 CLUSTER_ENV = "PCOURSE_GRADER_CLUSTER"  # set by the grader: its cluster's client file
+RELAY_SUFFIX = ".relay"  # beside it, "1" where the learner's code runs behind the relay
 
-ENGINE_DIED = ("an engine (an MPI process) died: did the code call os._exit or MPI's Abort, "
-               "or crash?")
+ENGINE_DIED = _relay.ENGINE_DIED
 
 _stuck = False  # set when a run never finished: the engines are still busy with it
 
@@ -79,6 +82,7 @@ class Attached:
     client: Any
     view: Any
     engines: list[int] = field(default_factory=list)  # engine ids in MPI rank order
+    relay: bool = False  # the learner's code runs in the engines' learner processes (relay)
 
     @property
     def n(self) -> int:
@@ -108,7 +112,9 @@ def start_cluster(n: int = max(SIZES)) -> Any:
     view.use_cloudpickle().get(timeout=60)
     read_results_as_data()
     ranks = view.apply_async(_trials.world_rank).get(timeout=60)
-    return Attached(client, view, [i for _, i in sorted(zip(ranks, ids, strict=True))])
+    flag = Path(where + RELAY_SUFFIX)
+    return Attached(client, view, [i for _, i in sorted(zip(ranks, ids, strict=True))],
+                    relay=flag.exists() and flag.read_text() == "1")
 
 
 def stop_cluster(mc: Any) -> None:
@@ -161,6 +167,11 @@ def define(mc: Any, source: str, names: Sequence[str], namespace: dict,
     import ipyparallel as ipp
 
     global _stuck
+    if getattr(mc, "relay", False):
+        _define_behind_relay(mc, (imports, source))
+        for name in names:
+            namespace[name] = OnEngines(name)
+        return
     try:
         for code in (imports, source):
             if code:
@@ -180,6 +191,32 @@ def define(mc: Any, source: str, names: Sequence[str], namespace: dict,
         namespace[name] = OnEngines(name)
 
 
+def _define_behind_relay(mc: Any, codes: Sequence[str]) -> None:
+    """:func:`define` where the learner's code runs in the engines' learner processes."""
+    global _stuck
+    for code in codes:
+        if not code:
+            continue
+        try:
+            answers = mc.view.apply_async(_relay.relay_define, code, CELL_TIMEOUT).get(
+                timeout=CELL_TIMEOUT + 30)
+        except Exception:  # noqa: BLE001 - an engine (ours) that does not answer: gone
+            _stuck = True
+            raise ExerciseError(ENGINE_DIED) from None
+        for answer in answers:
+            kind = answer[0] if isinstance(answer, tuple) and answer else "?"
+            if kind == "timeout":
+                _stuck = True
+                raise ExerciseError(f"your cell did not finish within {CELL_TIMEOUT:g} s on the "
+                                    "engines: a cell should only define functions")
+            if kind == "died":
+                raise ExerciseError(ENGINE_DIED)
+            if kind == "error" and len(answer) == 3:
+                raise _learner_error(str(answer[1]), str(answer[2]))
+            if kind != "ok":
+                raise ExerciseError(f"the engines answered the cell with {answer!r}")
+
+
 def _learner_error(ename: str, evalue: str) -> ExerciseError:
     if ename == "EngineError":
         return ExerciseError(ENGINE_DIED)
@@ -187,63 +224,6 @@ def _learner_error(ename: str, evalue: str) -> ExerciseError:
 
 
 # ---------------------------------------------------------------- what comes back, as data
-
-class Refused:
-    """What arrives in place of an object the grader does not rebuild (nothing of it runs)."""
-
-    what = "something"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Refused:
-        return object.__new__(cls)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-    def __repr__(self) -> str:
-        return f"<refused {self.what}>"
-
-
-def _refused(what: str) -> type:
-    return type("Refused", (Refused,), {"what": what})
-
-
-_DATA = {("builtins", n) for n in ("list", "dict", "set", "frozenset", "tuple", "complex",
-                                   "int", "float", "bool", "bytes", "bytearray", "str",
-                                   "slice", "range", "object")}
-_DATA |= {("collections", "OrderedDict"), ("copyreg", "_reconstructor"),
-          ("torch", "Size"), ("torch._utils", "_rebuild_tensor_v2"),
-          ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_parameter"),
-          ("pcourse.tools.grading.trials", "Call")}
-_DATA |= {(m, n) for m in ("numpy.core.multiarray", "numpy._core.multiarray")
-          for n in ("_reconstruct", "scalar")}
-_DATA |= {("numpy", "ndarray"), ("numpy", "dtype")}
-_DATA |= {(m, n) for m in ("ipyparallel.serialize.canning", "ipyparallel.serialize")
-          for n in ("CannedArray", "CannedBytes", "CannedMemoryView", "CannedObject")}
-
-
-def _storage_from_bytes(data: bytes) -> Any:
-    """torch's storages travel as torch.save bytes: read them with torch's safe loader."""
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
-class _DataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _DATA or module.startswith("numpy.dtypes"):
-            return super().find_class(module, name)
-        if (module, name) == ("torch.storage", "_load_from_bytes"):
-            return _storage_from_bytes
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        return _refused(f"{module}.{name}")
-
-
-def safe_loads(data: Any) -> Any:
-    """Unpickle ``data`` rebuilding only plain data; every other object becomes a Refused."""
-    return _DataUnpickler(io.BytesIO(data)).load()
-
 
 class _DataOnly:
     """ipyparallel's serializer here: pickles as before, unpickles data only."""
@@ -273,18 +253,6 @@ def read_results_as_data() -> None:
         serialize.pickle = _DataOnly(serialize.pickle)
 
 
-def _refusals(value: Any, depth: int = 0) -> str | None:
-    """The first Refused in a result (nested in lists, tuples and dicts), if any."""
-    if isinstance(value, Refused):
-        return value.what
-    if depth < 8 and isinstance(value, list | tuple | set | frozenset):
-        return next((r for r in (_refusals(v, depth + 1) for v in value) if r), None)
-    if depth < 8 and isinstance(value, dict):
-        return next((r for r in (_refusals(v, depth + 1)
-                                 for v in [*value.keys(), *value.values()]) if r), None)
-    return None
-
-
 # ---------------------------------------------------------------- running a trial
 
 def run(mc: Any, fn: Callable, *args: Any, ranks: int, timeout: float = RUN_TIMEOUT,
@@ -304,10 +272,19 @@ def run(mc: Any, fn: Callable, *args: Any, ranks: int, timeout: float = RUN_TIME
     ids = _engine_ids(mc)
     if not 1 <= ranks <= len(ids):
         raise ValueError(f"cannot run at {ranks} ranks on {len(ids)} engines")
-    mine = _learner_functions(args)
-    if mine:
-        mc.view.push(mine, block=True)
-    pending = [mc.client[i].apply_async(_trials.on_ranks, ranks, fn, args, kwargs) for i in ids]
+    relayed = getattr(mc, "relay", False)
+    if relayed:  # opened in the learner's processes only
+        import cloudpickle
+
+        payload = cloudpickle.dumps((fn, args, kwargs))
+        pending = [mc.client[i].apply_async(_relay.relay_trial, ranks, payload, timeout)
+                   for i in ids]
+    else:
+        mine = _learner_functions(args)
+        if mine:
+            mc.view.push(mine, block=True)
+        pending = [mc.client[i].apply_async(_trials.on_ranks, ranks, fn, args, kwargs)
+                   for i in ids]
     # each engine's rank in the trial's world (trials.subworld), known here: never read from it
     place = [len(ids) - 1 - k if k >= len(ids) - ranks else None for k in range(len(ids))]
     outcomes, finished = _collect(pending, timeout, place)
@@ -335,12 +312,43 @@ def run(mc: Any, fn: Callable, *args: Any, ranks: int, timeout: float = RUN_TIME
             "world: did the code replace the checks' functions?")
     done = sorted((o for o in outcomes if o), key=lambda o: o["rank"])
     for o in done:
+        if relayed:
+            o["value"] = _relayed_value(o, ranks, getattr(fn, "reports_calls", False))
         refused = _refusals(o["value"])
         if refused:
             raise ExerciseError(
                 f"at {ranks} ranks, rank {o['rank']} returned a {refused}, which the grader "
                 "does not rebuild: return plain numbers, strings, arrays or tensors")
     return [o["value"] for o in done]
+
+
+def _relayed_value(outcome: dict, ranks: int, reports_calls: bool) -> Any:
+    """A learner process's result, opened as data only; where the trial reports the calls
+    it made, they must be the engine's own record of them, in order (:mod:`.relay`)."""
+    rank, data = outcome["rank"], outcome["value"]
+    try:
+        value = safe_loads(data) if isinstance(data, bytes) else _refused("non-bytes")()
+    except Exception as exc:  # noqa: BLE001 - a pickle that does not open is the learner's
+        raise ExerciseError(f"at {ranks} ranks, rank {rank} sent back a result that does not "
+                            f"open ({type(exc).__name__}): did the code replace the checks' "
+                            "functions?") from None
+    made = [tuple(c) for c in outcome.get("calls") or []]
+    if reports_calls and [tuple(c) for c in _calls_in(value)] != made:
+        raise ExerciseError(
+            f"at {ranks} ranks, rank {rank} reported MPI calls other than the {len(made)} its "
+            "engine made for it: did the code replace the checks' functions?")
+    return value
+
+
+def _calls_in(value: Any, depth: int = 0) -> list:
+    """Every Call in a result (nested in lists, tuples and dicts), in order."""
+    if isinstance(value, _trials.Call):
+        return [value]
+    if depth < 8 and isinstance(value, list | tuple):
+        return [c for v in value for c in _calls_in(v, depth + 1)]
+    if depth < 8 and isinstance(value, dict):
+        return [c for v in value.values() for c in _calls_in(v, depth + 1)]
+    return []
 
 
 def _collect(pending: list, timeout: float, place: list[int | None]) -> tuple[list, bool]:

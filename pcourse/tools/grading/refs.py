@@ -1,4 +1,5 @@
-"""The graded exercises' trials (run on the engines) and references (computed apart).
+"""The graded exercises' trials (run where the learner's code runs) and references
+(computed apart).
 
 A *trial* runs on every rank of a check's world: it sets up the situation an
 exercise is about (a model, a data shard, a communicator that counts its calls),
@@ -26,7 +27,15 @@ import numpy as np
 import torch
 
 from pcourse.runtime import private
-from pcourse.tools.grading.trials import CountingComm, check_left_behind, world
+from pcourse.tools.grading.trials import (
+    COLLECTIVES,
+    SENDS,
+    Call,
+    CountingComm,
+    check_left_behind,
+    reports_calls,
+    world,
+)
 
 BATCH = 60  # global batch of the gradient exercises: equal shards at 2, 3, 4, 5 and 6 ranks
 
@@ -210,6 +219,7 @@ def sampler_reference(n: int, size: int, seed: int, epoch: int) -> list[list[int
 
 # ---------------------------------------------------------------- 02, 06 gradients
 
+@reports_calls
 def gradient_trial(average: Callable, steps: int = 1, lr: float = 0.1,
                    frozen: bool = False) -> dict:
     """Backward on this rank's shard, the learner's ``average(model, comm)``, SGD; repeat.
@@ -258,6 +268,7 @@ def ring_data(n: int, seed: int, rank: int) -> np.ndarray:
     return np.random.default_rng(seed + rank).standard_normal(n)
 
 
+@reports_calls
 def ring_trial(ring: Callable, n: int, seed: int = 0) -> dict:
     """The learner's ring sum of rank-dependent data, and the calls it made.
 
@@ -269,7 +280,16 @@ def ring_trial(ring: Callable, n: int, seed: int = 0) -> dict:
     counting = CountingComm(comm)
     ring(x, counting)
     check_left_behind(counting, getattr(ring, "__name__", "the ring"))
-    return {"got": x, "sends": counting.sends(), "collectives": counting.collectives()}
+    return {"got": x, "calls": counting.calls}
+
+
+def sends(calls: list[Call]) -> list[Call]:
+    """The calls that send data to one other rank."""
+    return [c for c in calls if c.name in SENDS]
+
+
+def collectives(calls: list[Call]) -> list[Call]:
+    return [c for c in calls if c.name in COLLECTIVES]
 
 
 def ring_reference(n: int, size: int, seed: int = 0) -> np.ndarray:
@@ -279,6 +299,7 @@ def ring_reference(n: int, size: int, seed: int = 0) -> np.ndarray:
 
 # ---------------------------------------------------------------- 04 Gloo from MPI
 
+@reports_calls
 def gloo_trial(init: Callable, timeout_s: float) -> dict:
     """Start Gloo with the learner's ``init(comm, timeout_s)``; what it did, and the group.
 
@@ -447,6 +468,7 @@ def state_names() -> list[str]:
     return list(_bn_model(0).state_dict())
 
 
+@reports_calls
 def broadcast_trial(broadcast: Callable, roots: list[int]) -> list[dict]:
     """For each root: the state after ``broadcast(model, comm, root)``, in place or not (the
     kernel knows the state before: :func:`broadcast_source`)."""
@@ -597,6 +619,7 @@ def slice_trial(my_slice: Callable, ns: list[int]) -> list[tuple[int, ...]]:
     return [tuple(int(v) for v in my_slice(n, comm.rank, comm.size)) for n in ns]
 
 
+@reports_calls
 def zero_trial(my_slice: Callable, sharded_step: Callable, steps: int) -> dict:
     """ZeRO on this rank: its slice (the learner's ``my_slice``), AdamW on it, ``steps``
     steps of the learner's ``sharded_step``; the flat parameters after each step.
@@ -611,7 +634,8 @@ def zero_trial(my_slice: Callable, sharded_step: Callable, steps: int) -> dict:
     warm = torch.zeros(1, requires_grad=True)
     warm.grad = torch.zeros(1)
     torch.optim.AdamW([warm]).step()
-    CountingComm(comm, timeout=120.0).Barrier()
+    sync = CountingComm(comm, timeout=120.0)
+    sync.Barrier()
     model = zero_model()
     x, y = (t.double() for t in shard_of(make_data(), comm.rank, comm.size))
     n = sum(p.numel() for p in model.parameters())
@@ -620,7 +644,7 @@ def zero_trial(my_slice: Callable, sharded_step: Callable, steps: int) -> dict:
     flat[:n] = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
     shard = flat[start:stop].clone()
     opt = torch.optim.AdamW([shard], lr=ZERO_LR, weight_decay=ZERO_DECAY)
-    out: dict = {"flat": [], "calls": [], "state": []}
+    out: dict = {"sync": sync.calls, "flat": [], "calls": [], "state": []}
     for _ in range(steps):
         with torch.no_grad():
             torch.nn.utils.vector_to_parameters(flat[:n].clone(), model.parameters())

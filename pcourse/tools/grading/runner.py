@@ -2,8 +2,10 @@
 
 Each job names its ``owner`` (the learner): a worker starts a fresh cluster of
 :data:`ENGINES` engines for every owner, in the jail of
-:mod:`pcourse.tools.grading.sandbox` where bubblewrap is installed, so no process that
-ran one learner's code ever runs another's; the parent hands a worker the next
+:mod:`pcourse.tools.grading.sandbox` where bubblewrap is installed, each engine with a
+learner process of its own, jailed apart, that runs the learner's code
+(:mod:`pcourse.tools.grading.relay`), so no process that ran one learner's code ever
+runs another's; the parent hands a worker the next
 notebook of the learner it has, so each learner's cluster starts once. Each notebook
 runs in a fresh kernel that attaches to the cluster
 (:func:`pcourse.tools.grading.harness.start_cluster`), forked from the worker's warm
@@ -44,6 +46,9 @@ RUN_MARK = "PCOURSE_GRADE_RUN"  # every process of one grading run carries it
 WORKER_MARK = "PCOURSE_GRADE_WORKER"  # and every process of one worker this one
 HIDE_ENV = "PCOURSE_GRADER_HIDE"  # paths the engines must not see (os.pathsep between)
 FORK_ENV = "PCOURSE_GRADER_FORK"  # 0: every kernel a fresh Python, not forked (slower)
+# Exercises whose learner code opens sockets between its ranks (04 starts Gloo): their
+# learner processes share one jail (a network), where every other exercise's have one each.
+NETWORKED = ("04_gloo_bootstrap",)
 
 
 @dataclass
@@ -55,6 +60,9 @@ class Job:
     # Stop after the first of these cells that fails (raises, or prints other than its
     # text where one is given); None: run every cell.
     stop_at: dict[int, str | None] | None = None
+    # The learner processes behind the engines (:mod:`pcourse.tools.grading.relay`) each
+    # in a jail of its own; False: all in one (NETWORKED).
+    apart: bool = True
 
 
 @dataclass
@@ -79,26 +87,30 @@ class Executed:
 # ---------------------------------------------------------------- in the worker
 
 def _healthy(mc: Any, engines: int) -> bool:
-    from pcourse.tools.grading import trials
+    from pcourse.tools.grading import relay
 
     try:
         if len(mc.client.ids) < engines:
             return False
         view = mc.client[sorted(mc.client.ids)]
-        return all(view.apply_async(trials.health).get(timeout=15))
+        return all(view.apply_async(relay.health).get(timeout=15))
     except Exception:  # noqa: BLE001 - any failure means: start afresh
         return False
 
 
-def _ready(mc: Any, engines: int, where: Path) -> Any:
+def _ready(mc: Any, engines: int, where: Path, apart: bool = True) -> Any:
     """A cluster whose engines all answer, reset for the next notebook.
 
     Its client connection file is copied to ``where``, the one path every kernel of
     this worker is told about, so kernels started before a restart find the new one.
-    The cluster runs in the jail (:mod:`pcourse.tools.grading.sandbox`) where it can.
+    The cluster runs in the jail (:mod:`pcourse.tools.grading.sandbox`) where it can,
+    with a learner process per engine (:mod:`pcourse.tools.grading.relay`), each in a
+    jail of its own, or all in one where not ``apart`` (started afresh when that
+    changes); a file beside ``where`` says whether there are learner processes.
     """
     from pcourse.tools.cluster import start_cluster
-    from pcourse.tools.grading import sandbox, trials
+    from pcourse.tools.grading import relay, sandbox
+    from pcourse.tools.grading.harness import RELAY_SUFFIX
     from pcourse.utils.io import atomic_write
 
     if mc is not None and not _healthy(mc, engines):
@@ -109,28 +121,38 @@ def _ready(mc: Any, engines: int, where: Path) -> Any:
         jail = sandbox.jail if sandbox.available()[0] else None
         mc = start_cluster(engines, contain=True, hide=hidden, jail=jail)
         mc.jailed = sandbox.namespaces(mc) if jail else set()
+        mc.workers, mc.apart = [], None  # started below, of the kind the notebook needs
+        mc.relayable = jail is not None
         c = mc.cluster
         source = Path(c.profile_dir) / "security" / f"ipcontroller-{c.cluster_id}-client.json"
         with atomic_write(where) as f:
             f.write(source.read_text())
     ids = sorted(mc.client.ids)
+    if mc.relayable and mc.apart != apart:  # of the other kind: none of theirs survives
+        mc.client[ids].apply_async(relay.forget).get(timeout=30)
+        sandbox.stop_workers(mc.workers)
+        mc.workers = sandbox.start_workers(mc.folder, engines, apart)
+        mc.jailed |= sandbox.worker_namespaces(mc.workers)
+        mc.apart = apart
     mc.client.clear(targets=ids, block=False).result(timeout=30)
-    mc.client[ids].apply_async(trials.reset).get(timeout=30)
+    mc.client[ids].apply_async(relay.reset).get(timeout=180)  # the first waits for the workers
+    with atomic_write(Path(f"{where}{RELAY_SUFFIX}")) as f:
+        f.write("1" if mc.workers else "0")
     return mc
 
 
-def _ready_or_retry(mc: Any, engines: int, where: Path) -> Any:
+def _ready_or_retry(mc: Any, engines: int, where: Path, apart: bool = True) -> Any:
     """:func:`_ready`, and once more with a fresh cluster if that fails.
 
     A cluster that fails to start or reset on a loaded machine is the grader's
     problem: it must not cost a learner the grade of the notebook that came next.
     """
     try:
-        return _ready(mc, engines, where)
+        return _ready(mc, engines, where, apart)
     except Exception:  # noqa: BLE001 - the second attempt's error is the one reported
         if mc is not None:
             _discard(mc)
-        return _ready(None, engines, where)
+        return _ready(None, engines, where, apart)
 
 
 def _discard(mc: Any) -> None:
@@ -143,6 +165,7 @@ def _discard(mc: Any) -> None:
 
     mc.client.close()
     _reap(WORKER_MARK, os.environ[WORKER_MARK], spare=_own_pids())
+    sandbox.stop_workers(getattr(mc, "workers", []))
     sandbox.end(getattr(mc, "jailed", set()), mc.folder)
     try:
         mc.cluster.stop_cluster_sync()  # its processes are gone: this only tidies up
@@ -160,6 +183,7 @@ def _retire(mc: Any, engines: int) -> None:
     try:
         if _healthy(mc, engines):
             stop_cluster(mc)
+            sandbox.stop_workers(getattr(mc, "workers", []))
             sandbox.end(getattr(mc, "jailed", set()), mc.folder)
             return
     except Exception:  # noqa: BLE001 - killed below, whatever was left
@@ -317,7 +341,7 @@ def _worker(conn: Connection, mark: str, engines: int) -> None:
                     old, mc = mc, None
                     _retire(old, engines)
                 owner = job.owner
-                mc = _ready_or_retry(mc, engines, where)
+                mc = _ready_or_retry(mc, engines, where, job.apart)
                 if spare is not None and not spare.alive():  # killed while it waited
                     spare.close()
                     spare = None

@@ -1,7 +1,8 @@
 """The jail a graded learner's code runs in: bubblewrap, an unprivileged id, a seccomp filter.
 
 The grader's engines (and ``mpiexec``, and anything they start) run inside
-:func:`prefix`, which
+:func:`prefix`, and each engine's learner process (:func:`start_workers`) in a jail of
+the same kind of its own, which
 
 - maps them to an unprivileged id (as root: bubblewrap keeps CAP_SETUID and CAP_SETGID
   only long enough for ``setpriv`` to become uid/gid :data:`UID` with no groups; as an
@@ -38,11 +39,14 @@ import platform
 import shutil
 import signal
 import struct
+import subprocess
 import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from pcourse.tools.grading.relay import RELAY_ENV
 
 UID = 65534  # nobody: the id learner code runs as
 # rlimits of every process in the jail. Processes count every thread of the jail's
@@ -195,27 +199,45 @@ def parents(paths: Sequence[Path]) -> list[str]:
 
 
 def prefix(folder: Path, sockets: Path, filter_file: Path, extra: Sequence[Path] = (),
-           groups: Sequence[Path] = ()) -> list[str]:
+           groups: Sequence[Path] = (), relay: Path | None = None) -> list[str]:
     """The command that runs the engines' ``mpiexec ...`` (appended to it) in the jail.
 
     ``folder`` is the cluster's own (its profile: the engines are told its path and find
-    an empty, writable folder there), ``sockets`` the controller's engine sockets (the
-    only folder of the machine the jail may write), ``filter_file`` where the seccomp
-    program is written (outside the jail's view), ``extra`` more read-only folders
-    (``mpiexec``'s, where it is not in the venv), ``groups`` the cgroups every process of
-    the jail belongs to (the first process joins them; its children are born in them).
+    an empty, writable folder there), ``sockets`` the controller's engine sockets (with
+    ``relay``, the folder of the learner processes' sockets: the only folders of the
+    machine the jail may write), ``filter_file`` where the seccomp program is written
+    (outside the jail's view), ``extra`` more read-only folders (``mpiexec``'s, where it is
+    not in the venv), ``groups`` the cgroups every process of the jail belongs to (the
+    first process joins them; its children are born in them).
     """
+    binds = [sockets] if relay is None else [sockets, relay]
+    env = {} if relay is None else {RELAY_ENV: str(relay)}
+    return _jailed(binds, filter_file, extra, groups, tmpfs=folder, env=env)
+
+
+def _jailed(binds: Sequence[Path], filter_file: Path, extra: Sequence[Path] = (),
+            groups: Sequence[Path] = (), tmpfs: Path | None = None,
+            env: dict[str, str] | None = None) -> list[str]:
+    """The command that runs a command (appended to it) in a jail of its own: ``binds`` the
+    only folders it may write, ``tmpfs`` an empty one of its own, ``env`` set in it."""
     program = seccomp_program()
     if program is None or bwrap() is None:
         raise RuntimeError(available()[1])
-    Path(filter_file).write_bytes(program)
+    filter_file = Path(filter_file)
+    if not filter_file.is_file() or filter_file.read_bytes() != program:
+        # written whole, then renamed: a jail starting meanwhile reads the old file or this
+        part = filter_file.with_name(filter_file.name + ".part")
+        part.write_bytes(program)
+        os.replace(part, filter_file)
     nproc = LIMITS["nproc"] + (0 if os.geteuid() == 0 else _my_threads())
     limits = [f"--{k}={nproc if k == 'nproc' else v}" for k, v in LIMITS.items()]
+    own = [] if tmpfs is None else ["--perms", "01777", "--size", str(1 << 20), "--tmpfs",
+                                    str(tmpfs)]
     jail = [bwrap(), "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--die-with-parent", "--new-session",
-            *view(extra), *parents([folder, sockets]),
-            "--perms", "01777", "--size", str(1 << 20), "--tmpfs", str(folder),
-            "--bind", str(sockets), str(sockets), "--chdir", "/tmp",
+            *view(extra), *parents([*([] if tmpfs is None else [tmpfs]), *binds]), *own,
+            *[a for b in binds for a in ("--bind", str(b), str(b))], "--chdir", "/tmp",
+            *[a for k, v in (env or {}).items() for a in ("--setenv", k, v)],
             "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp", "--seccomp", "9"]
     if os.geteuid() == 0:  # become nobody (setpriv), then nothing can be regained
         jail += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
@@ -253,14 +275,81 @@ def jail(folder: Path) -> dict[str, list[str]]:
     creates them so that ``nobody`` may connect; ``folder`` itself is the grader's alone). Its
     connection files stay in ``folder/security``, which the jail never sees.
     """
-    sockets = Path(folder) / "sockets"
-    sockets.mkdir(mode=0o755, exist_ok=True)
-    os.chmod(sockets, 0o777)
+    sockets, relay = Path(folder) / "sockets", Path(folder) / "relay"
+    for d in (sockets, relay):
+        d.mkdir(mode=0o755, exist_ok=True)
+        os.chmod(d, 0o777)
     return {"prefix": prefix(folder, sockets, Path(folder) / "seccomp.bpf",
-                             groups=cgroups(folder)),
+                             groups=cgroups(folder), relay=relay),
             "controller_cmd": [sys.executable, "-m", "pcourse.tools.grading.controller"],
             "controller_args": ["--nodb", "--IPController.engine_transport=ipc",
                                 f"--IPController.engine_ip={sockets / 'e'}"]}
+
+
+def start_workers(folder: Path, n: int, apart: bool = True) -> list[Any]:
+    """The learner processes of the jailed cluster in ``folder``: one per engine, each in a
+    jail of its own (:mod:`pcourse.tools.grading.relay`), in the cluster's cgroups.
+
+    Worker k may write only ``folder/relay/k``, where it listens for engine k: it shares
+    no ``/tmp``, ``/dev/shm``, network, IPC or process with the engines or another rank.
+    Not ``apart``, the n workers share one jail (a network, for an exercise whose ranks
+    open sockets to each other), still apart from the engines.
+    """
+    relay = Path(folder) / "relay"
+    groups = [g for g in (parent / _cgroup_name(folder) for parent, _ in _cgroup_parents())
+              if g.is_dir()]  # those jail() made for the engines
+    owns = [relay / str(k) for k in range(n)]
+    for own in owns:
+        own.mkdir(mode=0o755, exist_ok=True)
+        os.chmod(own, 0o777)
+    workers = []
+    for k, mine in enumerate([[o] for o in owns] if apart else [owns]):
+        command = [*_jailed(mine, Path(folder) / "seccomp.bpf", groups=groups),
+                   sys.executable, "-m", "pcourse.tools.grading.learner",
+                   *(str(o / "sock") for o in mine)]
+        workers.append(subprocess.Popen(command, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=_worker_log(folder, k)))
+    return workers
+
+
+def _worker_log(folder: Path, k: int) -> Any:
+    """Where worker k's errors go: $PCOURSE_RELAY_LOG's folder, or nowhere."""
+    where = os.environ.get("PCOURSE_RELAY_LOG")
+    if not where:
+        return subprocess.DEVNULL
+    return open(Path(where) / f"{Path(folder).name}-{k}.log", "ab")  # noqa: SIM115
+
+
+def stop_workers(workers: Sequence[Any], timeout: float = 30.0) -> None:
+    """Kill the learner processes (bubblewrap, and with it its PID namespace) and wait."""
+    for w in workers:
+        if w.poll() is None:
+            w.kill()
+    for w in workers:
+        try:
+            w.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        if w.stderr is not None:
+            w.stderr.close()
+
+
+def worker_namespaces(workers: Sequence[Any], timeout: float = 10.0) -> set[int]:
+    """The PID namespaces of the learner processes' jails (see :func:`namespaces`)."""
+    import psutil
+
+    found, deadline = set(), time.monotonic() + timeout
+    for w in workers:
+        while time.monotonic() < deadline:
+            try:
+                children = psutil.Process(w.pid).children()
+                if children:
+                    found.add(os.stat(f"/proc/{children[0].pid}/ns/pid").st_ino)
+                    break
+            except (psutil.Error, OSError):
+                break
+            time.sleep(0.01)
+    return found
 
 
 # ---------------------------------------------------------------- cgroups: limits per jail

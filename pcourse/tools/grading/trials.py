@@ -74,12 +74,24 @@ class CountingComm:
     """An mpi4py communicator that records every call and gives up on a deadlock.
 
     Everything else (``rank``, ``size``, ``Get_rank``, ...) passes through to the
-    real communicator.
+    real communicator. ``log``, where given, records every call too, with those of other
+    CountingComms (a trial's calls in order, whichever communicator made them).
+
+    Made of a learner process's communicator under the grader (a
+    :class:`~pcourse.tools.grading.relay` one), it is made and kept by the engine, where
+    the calls are made: what the learner's process holds only asks it.
     """
 
-    def __init__(self, comm: Any, timeout: float = OP_TIMEOUT) -> None:
+    def __new__(cls, comm: Any, timeout: float = OP_TIMEOUT, log: list | None = None) -> Any:
+        relayed = getattr(comm, "relay_counting", None)
+        if relayed is not None:
+            return relayed(timeout)
+        return super().__new__(cls)
+
+    def __init__(self, comm: Any, timeout: float = OP_TIMEOUT, log: list | None = None) -> None:
         self._comm = comm
         self._timeout = timeout
+        self._log = log
         self.calls: list[Call] = []
         self.requests: list[Any] = []  # the nonblocking calls' requests handed to the learner
         self.made: list[tuple[str, Any]] = []  # communicators made from this one, by which call
@@ -146,6 +158,8 @@ class CountingComm:
         else:
             peer = kwargs.get("root")
         self.calls.append(Call(name, _elements(buf), peer))
+        if self._log is not None:
+            self._log.append(self.calls[-1])
 
     def _wait(self, request: Any, what: str, hint: str, status: Any = None) -> None:
         _poll(request, status, self._timeout, f"comm.{what} on rank {self._comm.rank}", hint)
@@ -214,6 +228,16 @@ COLLECTIVE_HINT = ("The other ranks never joined it: every rank must call the sa
 
 
 MAKERS = ("Dup", "Split", "Clone", "Create", "Create_group", "Split_type", "Dup_with_info")
+
+
+def reports_calls(trial: Callable) -> Callable:
+    """Mark a trial whose result holds the calls it made (CountingComm.calls), in order.
+
+    Under the grader's relay the kernel then takes its result only if those calls are the
+    engine's own record of the trial's (:func:`pcourse.tools.grading.harness.run`).
+    """
+    trial.reports_calls = True  # type: ignore[attr-defined]
+    return trial
 
 
 class LeftBehind(RuntimeError):
@@ -375,12 +399,16 @@ def world() -> Any:
     return _current if _current is not None else _mpi().COMM_WORLD
 
 
+learner_namespace: dict | None = None  # a relay worker's: where the learner's cells ran
+
+
 def learner_global(name: str) -> Any:
     """This engine's object of ``name``, bound by a learner's cell run here (OnEngines)."""
     from IPython import get_ipython
 
     shell = get_ipython()
-    namespace = shell.user_ns if shell is not None else vars(sys.modules["__main__"])
+    namespace = learner_namespace if learner_namespace is not None else \
+        shell.user_ns if shell is not None else vars(sys.modules["__main__"])
     if name not in namespace:
         raise NameError(f"name {name!r} is not defined: the exercise's cells must define it")
     return namespace[name]
