@@ -144,7 +144,7 @@ def solution_loop(*swaps: tuple[str, str]):
 
 
 def threaded(run_stage, p: int, m: int) -> list[dict]:
-    """Every stage's result as pipe_stage_trial returns it, the stages on threads."""
+    """Every stage's result with its m, as pipe_stage_problem hands it on; stages on threads."""
     mailbox, out, errors = Mailbox(), [None] * p, []
     stages = [refs.pipe_stage(p, r) for r in range(p)]  # here: they seed torch's global RNG
 

@@ -67,6 +67,17 @@ def main() -> None:
         sys.exit(f"rank {rank}: {what} did not raise DeadlockError")
     assert mixed.bcast(rank, root=p - 1) == p - 1  # and the communicator still works
     WORLD.Barrier()
+    # Nor has making a communicator: one rank that never joins is found, not waited for.
+    making = CountingComm(WORLD.Dup(), timeout=TIMEOUT)
+    if rank != 0:
+        expect_deadlock("a Split one rank never joins", lambda: making.Split(0, rank))
+    splitting = CountingComm(WORLD.Dup(), timeout=TIMEOUT)
+    try:
+        splitting.Dup() if rank == 0 else splitting.Split(0, rank)
+        sys.exit(f"rank {rank}: Dup beside Split did not raise DeadlockError")
+    except DeadlockError as exc:
+        assert "rank 0: comm.Dup, rank 1: comm.Split" in str(exc), exc
+    WORLD.Barrier()
 
     # A world of 2: the last two ranks, numbered in reverse; rank 0 sits it out.
     sub = subworld(2)

@@ -1027,8 +1027,9 @@ def pipe_order_cases() -> list[tuple[int, int, int]]:
 
 
 def pipe_order_trial(one_f_one_b: Callable) -> list[dict]:
-    """The learner's order of every stage at p = 2, 3, 4 and m = 1..8 (plain Python)."""
-    return [{"p": p, "rank": rank, "m": m, "order": _plain_order(one_f_one_b(p, rank, m))}
+    """The learner's order of every stage at p = 2, 3, 4 and m = 1..8 (plain Python), in
+    the order of :func:`pipe_order_cases`: the kernel knows which case each answers."""
+    return [{"order": _plain_order(one_f_one_b(p, rank, m))}
             for p, rank, m in pipe_order_cases()]
 
 
@@ -1276,8 +1277,8 @@ def pipe_stage_trial(run_stage: Callable, one_f_one_b: Callable | None,
                  else _plain_order(one_f_one_b(p, rank, m)))
         run_stage(stage, order, group, *pipe_data(m, p, rank), m)
         group.finish()
-        out.append({"m": m, "grads": [None if t.grad is None else t.grad.detach().clone()
-                                      for t in stage.parameters()]})
+        out.append({"grads": [None if t.grad is None else t.grad.detach().clone()
+                              for t in stage.parameters()]})  # its m: its place in ms
     return out
 
 

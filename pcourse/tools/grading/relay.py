@@ -467,8 +467,12 @@ def reset() -> None:
     (namespace, the checks' modules: see :mod:`pcourse.tools.grading.learner`)."""
     from pcourse.tools.grading import trials
 
+    global _world
     trials.reset()
     if active():
+        # a fresh world for the learner's MPI.COMM_WORLD: a collective an earlier notebook left
+        # unfinished on the old one would be matched by this notebook's (every engine is here)
+        _world = _mpi().COMM_WORLD.Dup()
         answer = exchange(("reset",), 30.0)
         if answer != ("ok",):
             raise RuntimeError(f"the learner's process did not reset: {answer[0]}")

@@ -111,6 +111,8 @@ class CountingComm:
             return recorded
         if name in MAKERS:
             def making(*args: Any, **kwargs: Any) -> Any:
+                if name in COLLECTIVE_MAKERS:  # blocking, and no deadline of its own
+                    _agree(self, COLLECTIVE_MAKERS, name)
                 made = target(*args, **kwargs)
                 self.made.append((name, made))
                 return made
@@ -228,6 +230,7 @@ COLLECTIVE_HINT = ("The other ranks never joined it: every rank must call the sa
 
 
 MAKERS = ("Dup", "Split", "Clone", "Create", "Create_group", "Split_type", "Dup_with_info")
+COLLECTIVE_MAKERS = tuple(m for m in MAKERS if m != "Create_group")  # every rank calls these
 
 
 def reports_calls(trial: Callable) -> Callable:
@@ -345,25 +348,34 @@ def _object_collective(self: CountingComm, name: str, *args: Any, **kwargs: Any)
     """Agree (with the deadline) on the call and its root across ranks, then make it.
 
     mpi4py's lowercase collectives have no nonblocking twin, so the deadline cannot
-    cover the call itself. Every rank first shares which collective and which root
-    it is about to call: a rank calling ``bcast`` while another calls ``allreduce``
-    (or with another root) is an error naming both, where the calls would hang.
+    cover the call itself (:func:`_agree`): a rank calling ``bcast`` while another calls
+    ``allreduce`` (or with another root) is an error naming both.
+    """
+    self._record(name, args, kwargs)
+    at = _ROOT_AT.get(name)
+    _agree(self, OBJECT_COLLECTIVES, name, -1 if at is None else int(_arg(args, kwargs, at,
+                                                                         "root", 0)))
+    return getattr(self._comm, name)(*args, **kwargs)
+
+
+def _agree(self: CountingComm, names: tuple[str, ...], name: str, root: int = -1) -> None:
+    """Share, with the deadline, which of ``names`` (and root) every rank is about to call.
+
+    For the calls that cannot wait with a deadline themselves: a rank that calls another
+    one (or another root) is an error naming what each called, one that never comes a
+    DeadlockError, where the calls would hang.
     """
     import numpy as np
 
-    self._record(name, args, kwargs)
-    at = _ROOT_AT.get(name)
-    root = -1 if at is None else int(_arg(args, kwargs, at, "root", 0))
-    mine = np.array([OBJECT_COLLECTIVES.index(name), root], dtype=np.int64)
+    mine = np.array([names.index(name), root], dtype=np.int64)
     everyone = np.empty((self._comm.size, 2), dtype=np.int64)
     self._wait(self._comm.Iallgather(mine, everyone), name, COLLECTIVE_HINT)
-    calls = [(OBJECT_COLLECTIVES[k], r) for k, r in everyone.tolist()]
+    calls = [(names[k], r) for k, r in everyone.tolist()]
     if len(set(calls)) > 1:
         said = ", ".join(f"rank {i}: comm.{c}" + (f"(root={r})" if r >= 0 else "")
                          for i, (c, r) in enumerate(calls))
         raise DeadlockError(f"the ranks called different collectives at the same point "
                             f"({said}). {COLLECTIVE_HINT}")
-    return getattr(self._comm, name)(*args, **kwargs)
 
 
 _HANDLERS: dict[str, Callable[..., Any]] = {
