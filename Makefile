@@ -77,6 +77,7 @@ TEST_JOBS ?= 2
 PYTEST := $(RUN) $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile
 
 test: setup
+	$(PY) .ci/package_lines.py
 	$(PYTEST)
 
 # Everything but the notebooks and the tests marked slow (see the markers in pyproject.toml).

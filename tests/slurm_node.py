@@ -117,7 +117,7 @@ class OneNodeSlurm:
         self._wait(lambda: self.node_state() == "idle", "the node to be idle (sinfo)")
 
     def _daemon(self, cmd: list[str | None]) -> None:
-        log = open(self.folder / f"{Path(str(cmd[0])).name}.out", "w")  # noqa: SIM115
+        log = open(self.folder / f"{Path(str(cmd[0])).name}.out", "w")  # noqa: SIM115 - the daemon's, kept
         self.daemons.append(subprocess.Popen(
             [str(c) for c in cmd], env=self.env, stdin=subprocess.DEVNULL, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True))

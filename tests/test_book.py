@@ -224,7 +224,7 @@ def _stored_timing_line(path: Path) -> str | None:
 # ---------------------------------------------------------------- the browser
 
 class _Quiet(SimpleHTTPRequestHandler):
-    def log_message(self, *args) -> None:  # noqa: D102 - no request log on the terminal
+    def log_message(self, *args) -> None:  # no request log on the terminal
         pass
 
 

@@ -2,18 +2,17 @@
 
 A grader's worst case is a check that passes a wrong answer. So one class is graded,
 once per test session, the way an instructor would (``grade_class``, a fresh jailed
-cluster per learner): a learner who solved everything, one who handed in the
-exercises as shipped, one wrong answer of each kind in ``tests/grading/wrong.py``
-(world size, missed point, deadlock, saved outputs, tampering), a learner whose
-notebooks are broken in every way the grader must survive (invalid JSON, renamed,
-missing, a hang, a dead kernel, a dead engine), and hostile learners
-(``tests/grading/hostile.py``: one probes the jail, leaves a process behind and hands
-in the solution file, one plants files, one kills what it can). The other wrong
-answers are the test suite's own, trusted code: they are graded by the same runner
-and checks on one cluster per worker (``grade(..., trusted=True)``), each only up to
-the first failure its row reports (``first_failure_only=True``: what their tests read);
-the class's wrong answers are graded that way too, and must get the same rows. The
-tests below read the rows of both.
+job per learner): a learner who solved everything, one who handed in the exercises as
+shipped, one wrong answer of each kind in ``tests/grading/wrong.py`` (world size,
+missed point, deadlock, saved outputs, tampering), a learner whose notebooks are broken
+in every way the grader must survive (invalid JSON, renamed, missing, a hang, a dead
+learner process), and hostile learners (``tests/grading/hostile.py``: one probes the
+jail, leaves a process behind, patches what its next exercise meets and hands in the
+solution file, one plants files, one kills what it can). The other wrong answers are the
+test suite's own, trusted code: they are graded by the same runner and checks, several
+on one job (``grade(..., trusted=True)``), each only up to the first failure its row
+reports (``first_failure_only=True``: what their tests read); the class's wrong answers
+are graded that way too, and must get the same rows. The tests below read the rows of both.
 """
 
 from __future__ import annotations
@@ -28,15 +27,13 @@ import sys
 import sysconfig
 import textwrap
 import time
-import types
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from pcourse.tools.cluster import launch
 from pcourse.tools.grading import exercises as ex
-from pcourse.tools.grading import runner, submission
+from pcourse.tools.grading import runner, sandbox, submission
 from pcourse.tools.grading.grade import (
     FIRST_FAILURE_ONLY,
     exercise_of,
@@ -47,7 +44,9 @@ from pcourse.tools.grading.grade import (
     table,
     write_gradebook,
 )
-from pcourse.tools.grading.verdicts import Grade, explain
+from pcourse.tools.grading.job import Job
+from pcourse.tools.grading.runner import explain
+from pcourse.tools.grading.verdicts import Grade
 
 REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS, EXERCISES = REPO / "solutions", REPO / "exercises"
@@ -146,16 +145,15 @@ def _class(folder: Path, trusted: Path) -> None:
     crash = _solved(NAMES[4])
     wrong.learner_adds("import os\nos._exit(1)")(crash, None)
     _write(crash, broken / f"{NAMES[4]}.ipynb")
-    kill = _solved(NAMES[5], ["import os\nos._exit(3)"])  # on the engines: MPI job dies
+    kill = _solved(NAMES[5], ["import os\nos._exit(3)"])  # in a trial: a learner process dies
     _write(kill, broken / f"{NAMES[5]}.ipynb")
     _write(_solved(NAMES[6]), broken / f"{NAMES[6]}.ipynb")
-    if launch.containment()[0]:  # without a namespace it would kill the grader's workers
-        killer = _solved(NAMES[0])
-        wrong.learner_adds(wrong.KILL_EVERYTHING)(killer, None)
-        _write(killer, folder / "killer" / f"{NAMES[0]}.ipynb")
-        planter = _solved(NAMES[1])  # writes into the venv, the course's references, solutions/
-        wrong.learner_adds(wrong.plant(*map(str, PLANTED)))(planter, None)
-        _write(planter, folder / "planter" / f"{NAMES[1]}.ipynb")
+    killer = _solved(NAMES[0])
+    wrong.learner_adds(wrong.KILL_EVERYTHING)(killer, None)
+    _write(killer, folder / "killer" / f"{NAMES[0]}.ipynb")
+    planter = _solved(NAMES[1])  # writes into the venv, the course's references, solutions/
+    wrong.learner_adds(wrong.plant(*map(str, PLANTED)))(planter, None)
+    _write(planter, folder / "planter" / f"{NAMES[1]}.ipynb")
     # one hostile learner (one cluster): probes the jail, leaves a process behind, and
     # hands in the solution file itself
     prober = _solved(NAMES[0])  # who it runs as, and what it can read and undo
@@ -166,6 +164,12 @@ def _class(folder: Path, trusted: Path) -> None:
     _write(leaver, folder / "hostile" / f"{NAMES[2]}.ipynb")
     shutil.copyfile(SOLUTIONS / f"{NAMES[3]}.ipynb",
                     _mkdir(folder / "hostile") / f"{NAMES[3]}.ipynb")
+    patcher = _solved(NAMES[4])  # patches what its process holds, for its next exercise
+    wrong.learner_adds(hostile.PATCH_MODULES)(patcher, None)
+    _write(patcher, folder / "hostile" / f"{NAMES[4]}.ipynb")
+    finder = _solved(NAMES[5])
+    wrong.learner_adds(hostile.FIND_PATCH_IN_MODULES)(finder, None)
+    _write(finder, folder / "hostile" / f"{NAMES[5]}.ipynb")
 
 
 def _row(g: Grade) -> str:
@@ -196,6 +200,7 @@ def _grades_files(folder: Path) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory) -> dict[tuple[str, str], Grade]:
+    _jailed()  # a class is graded only in the jail
     folder, trusted = tmp_path_factory.mktemp("class"), tmp_path_factory.mktemp("trusted")
     _class(folder, trusted)
     start = time.monotonic()
@@ -294,49 +299,6 @@ def test_failures_are_explained_in_plain_words():
         "at 3 ranks, rank 1: tensor 0 is off"
 
 
-def test_a_cluster_that_fails_to_start_is_tried_once_more_before_a_learner_pays(monkeypatch):
-    calls = []
-
-    def ready(mc, engines, where, relay=True, fails=1):
-        calls.append(mc)
-        if len(calls) <= fails:
-            raise RuntimeError(f"start {len(calls)} did not finish initialising")
-        return "fresh"
-
-    monkeypatch.setattr(runner, "_ready", ready)
-    monkeypatch.setattr(runner, "_discard", lambda mc: calls.append(("discarded", mc)))
-    assert runner._ready_or_retry("old", 3, Path("x")) == "fresh"
-    assert calls == ["old", ("discarded", "old"), None]
-    calls.clear()  # twice in a row: the second failure is the one reported
-    monkeypatch.setattr(runner, "_ready", lambda mc, e, w, r: ready(mc, e, w, r, fails=2))
-    with pytest.raises(RuntimeError, match="start 2"):
-        runner._ready_or_retry(None, 3, Path("x"))
-
-
-def test_a_cluster_that_fails_to_stop_is_killed_instead(monkeypatch):
-    """A learner's cluster is asked to stop where its engines answer, and killed where they
-    do not or where stopping failed: in each case it is gone before the next learner's."""
-    from pcourse.tools import cluster
-    from pcourse.tools.grading import sandbox
-
-    calls = []
-    monkeypatch.setattr(runner, "_discard", lambda mc: calls.append("killed"))
-    monkeypatch.setattr(sandbox, "end", lambda spaces, folder: calls.append("ended"))
-    mc = types.SimpleNamespace(jailed=set(), folder=Path("x"))
-    for healthy, stops, then in [(True, True, ["stopped", "ended"]), (False, True, ["killed"]),
-                                 (True, False, ["killed"])]:
-        def stop(mc, stops=stops):
-            if not stops:
-                raise RuntimeError("the engines did not stop")
-            calls.append("stopped")
-
-        calls.clear()
-        monkeypatch.setattr(runner, "_healthy", lambda mc, engines, h=healthy: h)
-        monkeypatch.setattr(cluster, "stop_cluster", stop)
-        runner._retire(mc, 4)
-        assert calls == then, (healthy, stops)
-
-
 def test_a_file_names_its_exercise():
     known = exercises(SOLUTIONS)
     assert exercise_of(Path("x/02_average_gradients.ipynb"), known) == "02_average_gradients"
@@ -355,103 +317,106 @@ def test_a_file_that_is_not_a_notebook_is_rejected(tmp_path, text, reason):
     assert info.value.kind == "invalid"
 
 
-def test_the_runnable_notebook_takes_only_the_learners_cells_from_the_file():
+def test_the_grader_runs_the_learners_cells_and_the_setups_imports_only():
+    """What the grader runs of a notebook: the setup's imports (not the course's: the checks
+    are its own), then the learner's cells; edited check cells and saved outputs are noted
+    and never read."""
     name = NAMES[1]
     nb = _solved(name)
     wrong.saved("FAIL: forged")(nb, _solution(name))
     wrong.check_prints_pass(0)(nb, _solution(name))
     nb.cells.append(nbformat.v4.new_code_cell(""))  # Jupyter's trailing empty cell: harmless
-    run = submission.prepare(nb, _solution(name), name)
-    checks = [c for c in _solution(name).cells if "check" in c.metadata.get("tags", [])]
-    assert [run.notebook.cells[i].source for i in sorted(run.checks)] == [c.source for c in checks]
-    assert [run.checks[i] for i in sorted(run.checks)] == [c.outputs[0]["text"] for c in checks]
-    assert all(c.outputs == [] for c in run.notebook.cells)
-    assert run.notes == [f"cell {nb.cells.index(wrong._checks(nb)[0])} edited; graded with the "
-                         "course's own"]
+    code = submission.learner_code(nb, _solution(name), name)
     mine = [c.source for c in nb.cells if "exercise" in c.metadata.get("tags", [])]
-    cells = [run.notebook.cells[i] for i in run.learner]
-    assert [c.metadata[submission.LEARNER_SOURCE] for c in cells] == mine
-    # ... and they run on the engines only: the kernel that prints verdicts gets stand-ins
-    assert all(c.source.splitlines()[-1].startswith("_pcourse_checks.define(mc, ")
-               for c in cells)
+    assert code.codes[1:] == mine
+    assert code.codes[0] == "import numpy as np\nimport torch\nfrom mpi4py import MPI"
+    assert code.notes == [f"cell {nb.cells.index(wrong._checks(nb)[0])} edited; graded with "
+                          "the course's own"]
 
 
-def test_what_the_engines_send_back_is_read_as_data_only():
-    """A result whose rebuilding would run code (a forged verdict) arrives as Refused."""
-    import pickle
+class _Job(Job):
+    """A job whose ranks answer each trial with ``answers`` (no processes)."""
 
-    import numpy as np
-    import torch
+    def __init__(self, answers: list) -> None:
+        self.n, self.broken, self.opened, self.jailed, self.answers = 4, "", 1, True, answers
 
-    from pcourse.tools.grading import harness
-    from pcourse.tools.grading.trials import Call
+    def trial(self, spec: tuple, ranks: int, timeout: float) -> tuple[list, bool]:
+        return self.answers, True
 
-    data = {"grads": [torch.arange(6.0).reshape(2, 3), None], "x": np.ones(3, np.float32),
-            "calls": [Call("Sendrecv", 4, 1)], "n": np.int64(3), "dtype": torch.float64,
-            "where": ("127.0.0.1", 1234), "size": torch.Size([2, 3])}
-    back = harness.safe_loads(pickle.dumps(data))
-    assert torch.equal(back["grads"][0], data["grads"][0]) and back["grads"][1] is None
-    assert np.array_equal(back["x"], data["x"]) and back["calls"] == data["calls"]
-    assert back["n"] == 3 and back["dtype"] is torch.float64 and back["where"] == data["where"]
-    assert harness._refusals(back) is None
-
-    class Forged:
-        def __reduce__(self):
-            return (pickle.loads, (wrong.FORGE_PICKLE,))
-
-    import builtins
-    printing = builtins.print
-    back = harness.safe_loads(pickle.dumps({"where": (Forged(), 1)}))
-    assert builtins.print is printing  # nothing ran
-    assert isinstance(back["where"][0], harness.Refused)
-    assert harness._refusals(back) == "_pickle.loads"
-    forged_exec = harness.safe_loads(wrong.FORGE_PICKLE)
-    assert isinstance(forged_exec, harness.Refused) and builtins.print is printing
+    def close(self) -> None:
+        pass
 
 
-def test_results_are_placed_by_the_kernel_never_by_the_rank_an_engine_claims():
-    """Each engine's rank in a trial's world is known in the kernel (the sub-world numbers
-    the last ranks in reverse); a result labelled otherwise, or missing, is refused."""
-    from types import SimpleNamespace
-
-    from pcourse.tools.grading import harness
-
-    class Done:
-        def __init__(self, value):
-            self.value = value
-
-        def ready(self):
-            return True
-
-        def get(self, timeout=None):
-            return self.value
-
-    class Client:  # a learner's own cluster: engine i is world rank i
-        def __init__(self, values):
-            self.ids, self.values = list(range(len(values))), values
-
-        def __getitem__(self, i):
-            return SimpleNamespace(apply_async=lambda *args: Done(self.values[i]))
-
-    def run(*values, ranks=3):
-        return harness.run(SimpleNamespace(client=Client(values)), lambda: None, ranks=ranks)
-
-    # 4 engines, a 3-rank world: world ranks 1, 2, 3 are its ranks 2, 1, 0
-    honest = [None, {"rank": 2, "value": "c"}, {"rank": 1, "value": "b"},
-              {"rank": 0, "value": "a"}]
-    assert run(*honest) == ["a", "b", "c"]
-    swapped = [None, {"rank": 2, "value": "c"}, {"rank": 0, "value": "b"},
-               {"rank": 1, "value": "a"}]
-    with pytest.raises(harness.ExerciseError, match="world rank 2 sent back a result as rank 0"):
-        run(*swapped)
-    with pytest.raises(harness.ExerciseError, match="world rank 3 sent back a result as rank None"):
-        run(*honest[:3], None)  # a rank of the world that says it was outside
-    with pytest.raises(harness.ExerciseError, match="world rank 0 sent back a result as rank 3"):
-        run({"rank": 3, "value": "d"}, *honest[1:])  # one outside that claims a place
-    assert not harness._stuck
+def _trial() -> None:
+    """Stands for a trial: it is named, and never run here."""
 
 
-SETUP = "import numpy as np\nfrom mpi4py import MPI\nfrom pcourse.tools.grading.harness import " \
+def test_results_are_placed_by_their_rank_in_the_world_never_by_a_label():
+    """Each rank's place in a trial's world is known where the checks run (the sub-world
+    numbers the last ranks in reverse); a result's own label is never read, and a rank
+    that answers out of its turn is refused."""
+    from pcourse.tools.grading import checks, wire
+
+    def answer(value: str, label: int | None) -> dict:
+        return {"rank": label, "value": wire.dumps(value), "calls": []}
+
+    # 4 ranks, a 3-rank world: world ranks 1, 2, 3 are its ranks 2, 1, 0
+    honest = [None, answer("c", 2), answer("b", 1), answer("a", 0)]
+    assert checks.run(_Job(honest), _trial, ranks=3) == ["a", "b", "c"]
+    lying = [None, answer("c", 0), answer("b", 0), answer("a", 7)]
+    assert checks.run(_Job(lying), _trial, ranks=3) == ["a", "b", "c"]
+    for out_of_turn in ([*honest[:3], None], [answer("d", 3), *honest[1:]]):
+        with pytest.raises(checks.ExerciseError, match="answered out of turn"):
+            checks.run(_Job(out_of_turn), _trial, ranks=3)
+    failed = [None, answer("c", 2), {"rank": 0, "error": ("ValueError", "no", "")},
+              answer("a", 0)]
+    with pytest.raises(checks.ExerciseError, match="at 3 ranks, rank 1 raised ValueError: no"):
+        checks.run(_Job(failed), _trial, ranks=3)  # said at its place, not its label
+
+
+def test_a_job_that_fails_to_start_is_a_row_and_the_next_exercise_gets_another(monkeypatch):
+    from pcourse.tools.grading import job as jobs
+
+    started = []
+
+    class Flaky:
+        def __init__(self, jailed: bool) -> None:
+            started.append(jailed)
+            if len(started) == 1:
+                raise jobs.JobError("the grader's 4 ranks did not start within 120 s")
+            self.broken = ""
+
+        def close(self) -> None:
+            started.append("closed")
+
+    monkeypatch.setattr(jobs, "Job", Flaky)
+    monkeypatch.setattr(runner, "grade_exercise",
+                        lambda job, task: runner.Result(passed=1, total=1))
+    said = []
+    tasks = [runner.Task(k, NAMES[0], [""], 60) for k in range(3)]
+    runner.grade_batch(tasks, True, lambda key, result: said.append((key, result)))
+    assert [r.status for _, r in said] == ["error", "graded", "graded"]
+    assert "did not start" in said[0][1].first_failure
+    assert started == [True, True, "closed"]  # one job after the failure, closed at the end
+
+
+def test_a_class_is_graded_only_in_the_jail(tmp_path, monkeypatch, capsys):
+    """Without bubblewrap the class grader refuses, saying how to install it; one
+    notebook is graded all the same, each of its rows saying it was not sandboxed."""
+    from pcourse.tools.grading import grade as grading
+
+    _mkdir(tmp_path / "ann")
+    monkeypatch.setattr(sandbox, "bwrap", lambda: None)
+    with pytest.raises(grading.NoJail, match="apt-get install bubblewrap"):
+        grade_class(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["--class", str(tmp_path)])
+    assert "apt-get install bubblewrap" in capsys.readouterr().err
+    (note,) = grading.isolation_notes()
+    assert note.startswith("not sandboxed:") and "bubblewrap" in note
+
+
+SETUP = "import numpy as np\nfrom mpi4py import MPI\nfrom pcourse.tools.grading.checks import " \
     "run\n" \
         "mc = start()\n"
 THEIRS = "def f(comm):\n    pass\n"
@@ -481,7 +446,7 @@ def test_ordinary_learner_code_is_not_called_tampering(code):
     ("exec('run = None')\n", "uses `exec`"),
     ("globals()['run'] = None\n", "uses `globals`"),
     ("%time x = 1\n", "IPython magic"),
-    ("import sys\nsys.modules['pcourse.tools.grading.harness'].verdict = print\n", "imports sys"),
+    ("import sys\nsys.modules['pcourse.tools.grading.checks'].line = print\n", "imports sys"),
     ("x = mc.view\n", "uses `mc`"),
     ("f = (lambda: 0).__globals__\n", "__globals__"),
 ])
@@ -497,7 +462,8 @@ def test_code_that_does_not_parse_is_rejected_before_running():
 
 
 def test_the_command_line_grades_a_class_and_writes_the_gradebook(tmp_path, capsys):
-    """Notebooks the grader rejects unread need no engines: this runs in a second."""
+    """Notebooks the grader rejects unread need no job: this runs in a second."""
+    _jailed()
     (tmp_path / "ann").mkdir()
     (tmp_path / "ann" / f"{NAMES[0]}.ipynb").write_text("not json")
     tampered = _solved(NAMES[1])
@@ -518,15 +484,16 @@ def test_the_command_line_grades_a_class_and_writes_the_gradebook(tmp_path, caps
 
 def test_rows_are_on_disk_as_soon_as_they_are_decided(tmp_path):
     """A grader that dies halfway leaves every finished row in grades.partial.csv."""
+    _jailed()
     from pcourse.tools.grading.grade import RowLog
 
     tampered = _solved(NAMES[1])
-    wrong.drop_check(0)(tampered, None)  # rejected unrun: no engines needed
+    wrong.drop_check(0)(tampered, None)  # rejected unrun: no job needed
     _write(tampered, tmp_path / "ann" / f"{NAMES[1]}.ipynb")
     log = RowLog(tmp_path / "grades.partial.csv")
     seen = []
     rows = grade_class(tmp_path, progress=lambda g: (log(g), seen.append(
-        len(list(csv.DictReader(open(log.path)))))))
+        len(list(csv.DictReader(log.path.read_text().splitlines()))))))
     assert seen == list(range(1, len(NAMES) + 1))  # each row written before the next
     with open(log.path) as f:
         partial = list(csv.DictReader(f))
@@ -538,8 +505,9 @@ def test_rows_are_on_disk_as_soon_as_they_are_decided(tmp_path):
 
 def test_both_modes_find_a_learners_notebook_by_the_same_names(tmp_path, capsys):
     """NAME__v2 is graded in a class as alone; a copy named for nothing is called renamed."""
+    _jailed()
     tampered = _solved(NAMES[1])
-    wrong.drop_check(0)(tampered, None)  # rejected unrun: no engines needed
+    wrong.drop_check(0)(tampered, None)  # rejected unrun: no job needed
     _write(tampered, tmp_path / "ann" / f"{NAMES[1]}__v2.ipynb")
     _write(tampered, tmp_path / "bob" / f"{NAMES[1]}.ipynb")
     _write(_exercise(NAMES[1]), tmp_path / "bob" / f"{NAMES[1]}__old.ipynb")
@@ -630,20 +598,18 @@ def test_broken_notebooks_get_rows_of_their_own_and_the_rest_is_graded(graded):
     assert row[NAMES[0]].status == "invalid" and "JSON" in row[NAMES[0]].first_failure
     assert row[NAMES[1]].status == "renamed" and "(1).ipynb" in row[NAMES[1]].first_failure
     assert row[NAMES[2]].status == "missing"
-    # a learner's cell runs on the engines only: a hang or an exit there is the engines'
+    # a learner's cell runs in the learner processes only: a hang or an exit there is theirs
     assert row[NAMES[3]].passed == 0 and "your code" in row[NAMES[3]].first_failure
     assert "did not finish" in row[NAMES[3]].first_failure
     assert row[NAMES[4]].passed == 0 and "died" in row[NAMES[4]].first_failure
     assert row[NAMES[5]].passed == 0 and "died" in row[NAMES[5]].first_failure
-    assert row[NAMES[6]].ok, _row(row[NAMES[6]])  # graded after all that, on a fresh cluster
+    assert row[NAMES[6]].ok, _row(row[NAMES[6]])  # graded after all that
 
 
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(3000)
 def test_a_learner_cannot_write_into_the_solutions_or_the_course(graded):
-    if ("planter", NAMES[1]) not in graded:
-        pytest.skip(f"no namespaces here: {launch.containment()[1]}")
     g = graded[("planter", NAMES[1])]
     try:
         assert not any(p.exists() for p in PLANTED), "the learner's code wrote into the course"
@@ -657,8 +623,6 @@ def test_a_learner_cannot_write_into_the_solutions_or_the_course(graded):
 @pytest.mark.mpi
 @pytest.mark.timeout(3000)
 def test_a_learner_who_kills_everything_it_can_reach_hurts_only_itself(graded):
-    if ("killer", NAMES[0]) not in graded:
-        pytest.skip(f"no PID namespace here: {launch.containment()[1]}")
     g = graded[("killer", NAMES[0])]
     assert g.status != "error" and g.passed == 0, g  # its own row, its own failure
     assert "died" in g.first_failure or "did not finish" in g.first_failure, _row(g)
@@ -701,7 +665,8 @@ def _jailed() -> None:
 @pytest.mark.mpi
 @pytest.mark.timeout(3000)
 def test_learner_code_runs_as_nobody_without_privileges_network_or_the_course(graded):
-    """Graded as root, the engines are nobody, can undo nothing and read nothing of ours."""
+    """Graded as root, learner code is nobody, can undo nothing and read nothing of ours,
+    and nothing in its environment says it is graded."""
     _jailed()
     g = graded[("hostile", NAMES[0])]
     assert g.passed == 0, _row(g)
@@ -749,9 +714,10 @@ def _assert_jailed(first_failure: str) -> None:
     assert seen["uid"] == "65534" and seen["caps"] == "0000000000000000", seen
     assert seen["nnp"] == "1" and seen["seccomp"] == "2", seen  # 2: a filter
     assert all(seen[k] != "0" for k in ("umount", "remount", "unshare")), seen
-    assert seen["ifaces"] == "lo", seen  # a network of its own: the controller is a socket
-    assert seen["others"] == "0", seen  # alone: no engine, no mpiexec, no other rank in sight
+    assert seen["ifaces"] == "lo", seen  # a network of its own: its rank is a unix socket
+    assert seen["others"] == "0", seen  # alone: no rank, no mpiexec, no other learner in sight
     assert seen["seen"] == "-", f"learner code read {seen['seen']}"
+    assert seen["env"] == "-", f"the grader's variables in its environment: {seen['env']}"
 
 
 @pytest.mark.slow
@@ -779,6 +745,17 @@ def _cmdline(pid: str) -> bytes:
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(3000)
+def test_what_one_exercise_patches_the_learners_next_exercise_never_meets(graded):
+    """Each exercise runs in a fresh child of the learner processes: a module or a builtin
+    patched in one is as imported in the next."""
+    assert graded[("hostile", NAMES[4])].ok, _row(graded[("hostile", NAMES[4])])
+    found = graded[("hostile", NAMES[5])]
+    assert "HOSTILE found=|" in found.first_failure, _row(found)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(3000)
 def test_the_solution_handed_in_is_noted_in_its_row(graded):
     g = graded[("hostile", NAMES[3])]
     assert "byte for byte the course's own solution file" in g.notes, _row(g)
@@ -787,10 +764,10 @@ def test_the_solution_handed_in_is_noted_in_its_row(graded):
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(600)
-def test_what_one_learner_leaves_on_the_engines_the_next_never_meets(tmp_path):
-    """One worker, two learners in turn: the second gets a fresh cluster, not the first's."""
+def test_what_one_learner_leaves_behind_the_next_never_meets(tmp_path):
+    """One worker, two learners in turn: the second gets a fresh job, not the first's."""
     _jailed()
-    first, second = _solved(NAMES[0]), _solved(NAMES[0])
+    first, second = _solved(NAMES[0]), _solved(NAMES[0])  # (one worker: -j 1)
     wrong.learner_adds(hostile.PATCH)(first, None)
     wrong.learner_adds(hostile.FIND_PATCH)(second, None)
     _write(first, tmp_path / "a-patcher" / f"{NAMES[0]}.ipynb")
@@ -804,7 +781,8 @@ def test_what_one_learner_leaves_on_the_engines_the_next_never_meets(tmp_path):
 def test_every_file_in_a_learners_folder_gets_its_own_row(tmp_path):
     """Folders, FIFOs, links (to /dev/zero, to the solution), deep JSON, huge files,
     names that are not UTF-8, a grades.csv of a learner's: rows, not a crash or a hang.
-    All are refused unrun: no engines needed."""
+    All are refused unrun: no job needed."""
+    _jailed()
     ann = _mkdir(tmp_path / "ann")
     (ann / f"{NAMES[0]}.ipynb").mkdir()
     os.mkfifo(ann / f"{NAMES[1]}.ipynb")
@@ -840,15 +818,22 @@ def test_every_file_in_a_learners_folder_gets_its_own_row(tmp_path):
         rows["caf\ufffd", NAMES[1]]["status"] == "missing"
 
 
-def test_the_jail_holds_without_engines(tmp_path):
-    """What any process in the jail is and may do (a second: no engines, no MPI)."""
+def _prefix(folder: Path, groups: bool = False) -> list[str]:
+    """The jail of a job in ``folder`` (what Job gives its MPI ranks), for a command."""
+    sockets = _mkdir(folder / "sockets")
+    return sandbox.prefix(folder, sockets, folder / "seccomp.bpf",
+                          groups=sandbox.cgroups(folder) if groups else (),
+                          relay=_mkdir(folder / "relay"), env={"PATH": "/usr/bin:/bin"})
+
+
+def test_the_jail_holds_without_a_job(tmp_path):
+    """What any process in the jail is and may do (a second: no ranks, no MPI)."""
     import subprocess
 
-    from pcourse.tools.grading import sandbox
-
     _jailed()
-    jail = sandbox.jail(_mkdir(tmp_path / "cluster"))
-    sockets = tmp_path / "cluster" / "sockets"
+    prefix = _prefix(_mkdir(tmp_path / "job"))
+    sockets = tmp_path / "job" / "sockets"
+    os.chmod(sockets, 0o777)
     script = (
         'id -u; grep -E "^(CapEff|NoNewPrivs|Seccomp):" /proc/self/status; '
         f'ls {SOLUTIONS} {REPO / "tests"} /etc/shadow {Path.home()} >/dev/null 2>&1; echo ls=$?; '
@@ -858,7 +843,7 @@ def test_the_jail_holds_without_engines(tmp_path):
         'echo unshare=$?; touch /tmp/x /dev/shm/x && echo scratch=0; '
         f'touch {sockets}/x && echo sockets=0; '
         'tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d " " | tr "\\n" ,; echo')
-    done = subprocess.run([*jail["prefix"], "sh", "-c", script], capture_output=True, text=True,
+    done = subprocess.run([*prefix, "sh", "-c", script], capture_output=True, text=True,
                           timeout=60)
     out = done.stdout.split()
     assert out[0] == "65534" and out[1:7] == ["CapEff:", "0000000000000000", "NoNewPrivs:",
@@ -869,60 +854,19 @@ def test_the_jail_holds_without_engines(tmp_path):
                     "sockets": "0"}, done  # 2: none of those paths exists in the jail
     assert out[-1] == "lo,", done  # a network of its own
     assert not (REPO / "pcourse" / "zz").exists()
-    sandbox.release(tmp_path / "cluster")
-
-
-def test_a_first_failure_run_stops_after_the_first_cell_that_fails_and_only_then():
-    """``stop_at``: a cell fails by raising or by printing other than its text; the cells
-    after the first failure do not run, and without one every cell runs."""
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(f"print({k})")
-                                         for k in range(4)])
-    nb.cells[2].source = "print(2)\n1 / 0"
-    for stop_at, ran, failed in [({1: "1", 3: "3"}, [0, 1, 2, 3], None),  # cell 2 not watched
-                                 ({1: "9", 3: "3"}, [0, 1], 1),  # printed other than its text
-                                 ({1: None, 2: None}, [0, 1, 2], 2),  # raised
-                                 (None, [0, 1, 2, 3], None)]:
-        out = runner.execute(dict(nb), limit=120, stop_at=stop_at)
-        assert (sorted(out.stdout), out.first_failure) == (ran, failed), (stop_at, out)
-        assert out.stopped is None and list(out.errors) == [2] * (2 in ran), out
-
-
-def test_a_worker_keeps_to_one_learner_and_learners_do_not_share_workers():
-    from collections import deque
-
-    todo = deque(runner.Job(k, {}, 1.0, owner) for k, owner in enumerate("aaabbc"))
-    order = [runner._next_for(todo, None, set()).owner,  # a fresh worker: the first
-             runner._next_for(todo, None, {"a"}).owner,  # another: not a, held by the first
-             runner._next_for(todo, "a", {"b"}).owner, runner._next_for(todo, "a", {"b"}).owner,
-             runner._next_for(todo, "a", {"b"}).owner, runner._next_for(todo, "c", {"a"}).owner]
-    assert order == ["a", "b", "a", "a", "c", "b"] and not todo
-
-
-def test_every_row_graded_without_the_jail_says_so(monkeypatch):
-    from pcourse.tools.grading import grade as grading
-    from pcourse.tools.grading import sandbox
-
-    assert grading._isolation_notes() == ([] if sandbox.available()[0] else
-                                          grading._isolation_notes())
-    monkeypatch.setattr(sandbox, "bwrap", lambda: None)
-    (note,) = grading._isolation_notes()
-    assert "bubblewrap (`bwrap`) is not installed" in note
-    assert note.startswith(("weaker sandbox:", "not sandboxed:")), note
+    sandbox.release(tmp_path / "job")
 
 
 def test_a_jail_ends_with_every_process_it_held_even_detached_ones(tmp_path):
-    """A jail whose code is done (a cluster stopped gracefully) lives on while any of its
-    processes does (a detached one, setsid): the grader kills them all, by namespace."""
+    """A jail whose code is done (a job that ended) lives on while any of its processes
+    does (a detached one, setsid): the grader kills them all, by namespace."""
     import subprocess
 
     import psutil
 
-    from pcourse.tools.grading import sandbox
-
     _jailed()
-    jail = sandbox.jail(_mkdir(tmp_path / "cluster"))
-    outer = subprocess.Popen([*jail["prefix"], "sh", "-c",
-                              "setsid sh -c 'sleep 300' & sleep 300"])
+    prefix = _prefix(_mkdir(tmp_path / "job"))
+    outer = subprocess.Popen([*prefix, "sh", "-c", "setsid sh -c 'sleep 300' & sleep 300"])
     try:
         deadline = time.monotonic() + 30
         while not (spaces := {os.stat(f"/proc/{c.pid}/ns/pid").st_ino
@@ -930,15 +874,15 @@ def test_a_jail_ends_with_every_process_it_held_even_detached_ones(tmp_path):
                 or len(sandbox._members(spaces)) < 3:
             assert time.monotonic() < deadline, "the jail did not start"
             time.sleep(0.05)
-        sandbox.end(spaces, tmp_path / "cluster", timeout=20)  # bubblewrap still waits for them
+        sandbox.end(spaces, tmp_path / "job", timeout=20)  # bubblewrap still waits for them
         assert sandbox._members(spaces) == []
         assert outer.wait(timeout=20) is not None  # and ends with its jail
         assert not [parent for parent, _ in sandbox._cgroup_parents()  # its cgroups with it
-                    if (parent / sandbox._cgroup_name(tmp_path / "cluster")).exists()]
+                    if (parent / sandbox._cgroup_name(tmp_path / "job")).exists()]
     finally:
         outer.kill()
         outer.wait()
-        sandbox.release(tmp_path / "cluster")
+        sandbox.release(tmp_path / "job")
 
 
 def test_a_jail_as_a_whole_is_bounded_in_memory_and_processes(tmp_path, monkeypatch):
@@ -947,18 +891,16 @@ def test_a_jail_as_a_whole_is_bounded_in_memory_and_processes(tmp_path, monkeypa
     bound each process alone); the cgroups go with the jail."""
     import subprocess
 
-    from pcourse.tools.grading import sandbox
-
     _jailed()
     if not sandbox._cgroup_parents():  # the issue's "where the machine has them"
         pytest.skip("no cgroup this process may make: rlimits alone bound the jail")
     monkeypatch.setattr(sandbox, "CGROUP_LIMITS", {"memory": 256 << 20, "pids": 64})
-    folder = _mkdir(tmp_path / "cluster")
-    jail = sandbox.jail(folder)
-    assert len(jail["prefix"][2].split("cgroup.procs")) > 1, jail["prefix"][:3]
+    folder = _mkdir(tmp_path / "job")
+    prefix = _prefix(folder, groups=True)
+    assert len(prefix[2].split("cgroup.procs")) > 1, prefix[:3]
 
     def jailed(code: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*jail["prefix"], sys.executable, "-c", code],
+        return subprocess.run([*prefix, sys.executable, "-c", code],
                               capture_output=True, text=True, timeout=120)
 
     # four processes of 100 MiB each: any one alone is far below every rlimit. The first
@@ -975,8 +917,8 @@ def test_a_jail_as_a_whole_is_bounded_in_memory_and_processes(tmp_path, monkeypa
     started = jailed(spawn)
     assert 0 < int(started.stdout) < 64, started  # threads and processes, all counted
     sandbox.release(folder)
-    # and a dead worker's, found by the process that named its clusters' folders
-    dead = _mkdir(tmp_path / "pcourse-cluster-999999999-x")
+    # and a dead worker's, found by the process that named its jobs' folders
+    dead = _mkdir(tmp_path / "pcourse-grade-999999999-x")
     assert len(sandbox.cgroups(dead)) == len(sandbox._cgroup_parents())
     sandbox.release(owner=999999999)
     assert not any((parent / sandbox._cgroup_name(f)).exists() for f in (folder, dead)

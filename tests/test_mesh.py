@@ -46,7 +46,7 @@ def test_a_one_rank_mesh_is_refused_before_any_communication_or_runs() -> None:
 
 
 class _Done:
-    def Test(self) -> bool:  # noqa: N802 - mpi4py's name
+    def Test(self) -> bool:  # mpi4py's names
         return True
 
 
@@ -56,10 +56,10 @@ class _Everyone:
     def __init__(self, rows: list[list[int]]) -> None:
         self.rows = rows
 
-    def Get_size(self) -> int:  # noqa: N802
+    def Get_size(self) -> int:
         return len(self.rows)
 
-    def Iallgather(self, row, out):  # noqa: N802
+    def Iallgather(self, row, out):
         out[...] = self.rows
         return _Done()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pcourse import multinode
@@ -86,7 +88,7 @@ def test_a_slurm_cluster_asks_for_the_gpus_its_job_is_given(monkeypatch, tmp_pat
         work_dir=str(tmp_path), config=cluster.config, cluster_id="t",
         profile_dir=str(tmp_path / "profile"), log=cluster.log)
     launcher.write_batch_script(2)
-    sbatch = _sbatch(open(launcher.batch_file).read())
+    sbatch = _sbatch(Path(launcher.batch_file).read_text())
     assert "#SBATCH --gpus-per-task=1" in sbatch and "#SBATCH --gres=gpu:2" in sbatch
     assert "#SBATCH --partition=gpu" in sbatch
     monkeypatch.setenv(engines.SLURM_ENV, "gpus_per_task=one")

@@ -323,30 +323,42 @@ def test_taught_modules_stand_on_the_runtime_layer_never_on_the_tooling():
     assert not {k: v for k, v in bad.items() if v}, "taught code importing the tooling"
 
 
-def test_the_graders_modules_import_one_way():
-    """No circle among pcourse.tools.grading's modules, counting imports inside functions too."""
-    modules = {p.stem: p for p in (REPO / "pcourse" / "tools" / "grading").glob("*.py")}
+def _module_graph() -> dict[str, set[str]]:
+    """Every module of pcourse -> the pcourse modules it imports (at its top or inside
+    functions): ``from a.b import c`` is an arrow to ``a.b.c`` where that is a module."""
+    def name(path: Path) -> str:
+        parts = path.relative_to(REPO).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
-    def imported(path: Path) -> set[str]:  # `from pcourse.tools.grading import x` names x too
+    modules = {name(p): p for p in REPO.glob("pcourse/**/*.py")}
+    graph = {}
+    for module, path in modules.items():
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "pcourse.tools.grading":
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules
+                          else node.module for a in node.names}
+            elif isinstance(node, ast.Import):
                 found |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                found.add(node.module.removeprefix("pcourse.tools.grading."))
-        return found & set(modules)
+        graph[module] = (found & set(modules)) - {module}
+    return graph
 
-    arrows = {name: imported(path) - {name} for name, path in modules.items()}  # runner: itself
+
+def test_the_package_imports_one_way():
+    """No circle among pcourse's modules, the tools included, counting imports inside
+    functions too (an import hidden in a function is still an arrow)."""
+    graph = _module_graph()
+    assert len(graph) > 80
     done: set[str] = set()
 
     def walk(name: str, path: tuple[str, ...]) -> None:
         assert name not in path, f"import circle: {' -> '.join((*path, name))}"
         if name not in done:
-            for nxt in arrows[name]:
+            for nxt in sorted(graph[name]):
                 walk(nxt, (*path, name))
             done.add(name)
 
-    for name in modules:
+    for name in sorted(graph):
         walk(name, ())
 
 
@@ -382,3 +394,24 @@ def test_a_venv_keeps_the_mpi_it_has(tmp_path):
     bad = subprocess.run(["make", "-n", "setup", "MPI=intel"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "MPI=openmpi or MPI=site" in bad.stderr
+
+
+def test_the_line_budget_counts_every_module_and_fails_above_it(tmp_path):
+    """.ci/package_lines.py: the lines per part, against pyproject's budget (make test runs
+    it first), counted as `wc -l` would, and over a budget it fails."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("package_lines", REPO / ".ci/package_lines.py")
+    lines = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lines)
+    found = lines.counts()
+    every = sorted((REPO / "pcourse").rglob("*.py"))
+    tools = [p for p in every if "tools" in p.relative_to(REPO / "pcourse").parts[:1]]
+    assert found["tools"] == sum(p.read_bytes().count(b"\n") for p in tools)
+    assert found["taught"] + found["tools"] == sum(p.read_bytes().count(b"\n") for p in every)
+    budget = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pcourse"]["lines"]
+    assert lines.over(found, budget) == [], "over the budget: raise it in pyproject, or cut"
+    assert lines.over(found, {**budget, "tools/grading": found["tools/grading"] - 1}) == [
+        f"tools/grading: {found['tools/grading']} lines, over its budget of "
+        f"{found['tools/grading'] - 1}"]
+    assert "package_lines.py" in (REPO / "Makefile").read_text().split("\ntest:")[1][:200]

@@ -213,6 +213,20 @@ def test_each_taught_subpackage_names_every_module_it_holds():
                 "docstring nor in pcourse's lesson table")
 
 
+def test_each_tool_subpackage_names_every_module_it_holds():
+    """The tools are held to the taught code's rule: a subpackage's docstring is its map."""
+    folders = [p.parent for p in (REPO / "pcourse" / "tools").glob("**/__init__.py")]
+    assert len(folders) >= 7
+    for folder in folders:
+        said = importlib.import_module(
+            ".".join(folder.relative_to(REPO).parts)).__doc__ or ""
+        held = [p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "__main__")]
+        held += [p.name for p in folder.iterdir() if (p / "__init__.py").is_file()]
+        for module in sorted(held):
+            assert re.search(rf"\b{module}\b", said), (
+                f"{folder.relative_to(REPO)}/__init__.py's docstring does not name {module}")
+
+
 def test_the_module_tables_are_read_as_written():
     doc = ("The top level is:\n\n    ``a``   one (01)\n    ``b/``  two, and\n"
            "            more (03, 10)\n    ``c``   none\n\nUnder both")
@@ -274,16 +288,16 @@ def test_readme_and_the_guide_say_what_quick_mode_trains_on():
     assert f"test split's last {n:,} images" in guide
 
 
-def test_readme_and_the_guide_say_how_many_engines_the_grader_starts():
-    from pcourse.tools.grading.harness import GRADER_SIZES
+def test_readme_and_the_guide_say_how_many_ranks_the_grader_starts():
+    from pcourse.tools.grading.checks import GRADER_SIZES
 
     n = course.grader_engines()
-    assert n == max(GRADER_SIZES), "the grader's clusters must hold its largest check"
+    assert n == max(GRADER_SIZES), "the grader's jobs must hold its largest check"
     readme = " ".join((REPO / "README.md").read_text().split())
     guide = " ".join((REPO / "INSTRUCTORS.md").read_text().split())
-    assert f"a fresh cluster of {n} MPI engines" in readme
+    assert f"a fresh job of {n} MPI ranks" in readme
     assert f"under the grader at {max(GRADER_SIZES)} as well" in readme
-    assert f"its own kernel and {n} engines" in guide
+    assert f"a job of their own ({n} MPI ranks" in guide
 
 
 def test_readme_counts_the_exercises():

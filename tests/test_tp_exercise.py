@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pcourse.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from pcourse.tools.grading import refs
+from pcourse.tools.grading.refs import tensor_parallel as refs
 
 
 @pytest.mark.parametrize("tp", [2, 3, 4])

@@ -366,7 +366,7 @@ def test_bench_franke_end_to_end(tmp_path, capsys):
     runs = 2 * (2 + len(nccl_runs))  # repeats x (mpi at 1 and 2 ranks, nccl where it runs)
     assert lines[0] == ",".join(bench.FIELDS) and len(lines) == 1 + runs
     assert (tmp_path / "franke_strong.png").stat().st_size > 0
-    rows = list(csv.DictReader(open(tmp_path / "franke_strong.csv")))
+    rows = list(csv.DictReader((tmp_path / "franke_strong.csv").read_text().splitlines()))
     losses = {r["ranks"]: r["final_loss"] for r in rows if r["backend"] == "mpi"}
     assert float(losses["1"]) == pytest.approx(float(losses["2"]), rel=1e-6)  # strong: same updates
     for r in rows:  # every run's phases: before, during and after training
@@ -376,7 +376,8 @@ def test_bench_franke_end_to_end(tmp_path, capsys):
         steps = int(r["epochs"]) * int(r["steps_per_epoch"])
         assert float(r["time_per_step"]) == pytest.approx(float(r["train_time"]) / steps)
     phases = {r["phase"]: float(r["seconds"])
-              for r in csv.DictReader(open(tmp_path / "franke_strong_phases.csv"))}
+              for r in csv.DictReader(
+                  (tmp_path / "franke_strong_phases.csv").read_text().splitlines())}
     job = phases["rank job, mpiexec start to exit"]
     assert phases["rank job: training"] == pytest.approx(sum(float(r["train_time"]) for r in rows))
     assert job == pytest.approx(phases["rank job: training"]

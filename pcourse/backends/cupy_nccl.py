@@ -182,7 +182,7 @@ class CupyNCCLBackend(Backend):
             except CollectiveTimeout as exc:
                 warnings.warn(f"nccl-cupy close: {exc}; the communicator is aborted",
                               RuntimeWarning, stacklevel=2)
-            except BaseException as exc:  # an interrupt: abort, then let it go on
+            except BaseException as exc:  # noqa: BLE001 - an interrupt: abort, then go on
                 interrupted = exc
         if comm is not None and self._gave_up:
             comm.abort()  # its kernels wait for peers that never come: end them

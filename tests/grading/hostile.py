@@ -1,8 +1,8 @@
 """Learner code that attacks the grader, as a hostile learner would (tests/test_grading.py).
 
 Each is top-level code added to a learner cell: it runs in the learner's processes (one
-per rank, behind the engines: pcourse.tools.grading.relay), inside the grader's jail
-(pcourse.tools.grading.sandbox). An attack that reports back raises an
+per rank, behind the grader's ranks: pcourse.tools.grading.relay), inside the grader's
+jail (pcourse.tools.grading.sandbox). An attack that reports back raises an
 error whose one line (``HOSTILE key=value ...``) becomes the row's reason: the test
 reads what the code could do there. Every piece passes the grader's static reading
 of a learner cell (no ``open``, ``sys``, ``subprocess``...): it is the jail, not the
@@ -17,7 +17,7 @@ def probe(readable: list[str]) -> str:
     return f"""
 import os
 _seen = []
-for _p in {readable!r} + [os.environ.get("PCOURSE_GRADER_CLUSTER", "/nonexistent")]:
+for _p in {readable!r}:
     try:
         if os.path.isdir(_p):
             os.listdir(_p)
@@ -33,7 +33,7 @@ _st = {{k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in _status
 _fd = os.open("/proc/net/dev", os.O_RDONLY)
 _ifaces = [ln.split(":")[0].strip() for ln in os.read(_fd, 1 << 16).decode().splitlines()[2:]]
 os.close(_fd)
-_others = 0  # processes of the cluster in sight: engines, mpiexec, the controller
+_others = 0  # processes of the job in sight: ranks, mpiexec, another learner process
 for _pid in filter(str.isdigit, os.listdir("/proc")):
     try:
         _fd = os.open(f"/proc/{{_pid}}/cmdline", os.O_RDONLY)
@@ -41,14 +41,14 @@ for _pid in filter(str.isdigit, os.listdir("/proc")):
         os.close(_fd)
     except OSError:
         continue
-    _others += any(w in _cmd for w in (b"ipyparallel", b"mpiexec", b"hydra"))
+    _others += any(w in _cmd for w in (b"grading.rank", b"mpiexec", b"hydra", b"gforker"))
 _rc = {{w: os.waitstatus_to_exitcode(os.system(c + " >/dev/null 2>&1")) for w, c in [
     ("umount", "umount -l /tmp"), ("remount", "mount -o remount,rw /"),
     ("unshare", "unshare -Urm true"), ("kill1", "kill -9 1")]}}
 raise RuntimeError("HOSTILE " + " ".join(f"{{k}}={{v}}" for k, v in [
     ("uid", os.getuid()), ("caps", _st.get("CapEff")), ("nnp", _st.get("NoNewPrivs")),
     ("seccomp", _st.get("Seccomp")), *_rc.items(), ("ifaces", ",".join(_ifaces)),
-    ("others", _others),
+    ("others", _others), ("env", ",".join(k for k in os.environ if "PCOURSE" in k) or "-"),
     ("seen", ",".join(_seen) or "-")]))
 """
 
@@ -86,7 +86,7 @@ _builtins = os.sys.modules["builtins"]
 _builtins.pcourse_planted = "builtins"
 for _f in ["/tmp/pcourse_planted", "/dev/shm/pcourse_planted"]:
     os.close(os.open(_f, os.O_WRONLY | os.O_CREAT, 0o666))
-"""  # what one learner leaves on the engines, for the next learner to meet
+"""  # what one learner leaves in its processes and jail, for the next learner to meet
 
 FIND_PATCH = """
 import os
@@ -95,6 +95,21 @@ _found = [getattr(os.sys.modules["pcourse.tools.grading.trials"], "pcourse_plant
 _found += [f for f in ["/tmp/pcourse_planted", "/dev/shm/pcourse_planted"] if os.path.exists(f)]
 raise RuntimeError("HOSTILE found=" + ",".join(str(f) for f in _found if f) + "|")
 """  # what the next learner reports: it must find nothing of the first
+
+PATCH_MODULES = """
+import os
+_trials = os.sys.modules["pcourse.tools.grading.trials"]  # names of its own: past the reader
+_trials.pcourse_planted = "trials"
+_builtins = os.sys.modules["builtins"]
+_builtins.pcourse_planted = "builtins"
+"""  # what one exercise leaves in the learner's processes, for the same learner's next
+
+FIND_PATCH_IN_MODULES = """
+import os
+_found = [getattr(os.sys.modules["pcourse.tools.grading.trials"], "pcourse_planted", None),
+          getattr(os.sys.modules["builtins"], "pcourse_planted", None)]
+raise RuntimeError("HOSTILE found=" + ",".join(str(f) for f in _found if f) + "|")
+"""  # what the next exercise reports: it must find nothing of the one before
 
 
 def report(text: str) -> dict[str, str]:

@@ -184,21 +184,46 @@ FORGE = ("import builtins; builtins.print = (lambda real: lambda *a, **k: None i
          "if ': FAIL' in str(x) else x for x in a], **k))(builtins.print)")
 FORGE_PICKLE = b"cbuiltins\nexec\n(V" + FORGE.encode() + b"\ntR."
 SMUGGLED = f"import pickle\npickle.loads({FORGE_PICKLE!r})"
-# Every process carrying this grading run's mark, SIGKILLed: the grader's workers, kernels
-# and controllers, were they in reach.
+# Every process in sight, SIGKILLed, itself last: the grader's workers and ranks, were they
+# in reach.
 KILL_EVERYTHING = """
 import os
-_mark = ("PCOURSE_GRADE_RUN=" + os.environ.get("PCOURSE_GRADE_RUN", "?")).encode()
 for _pid in [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
     try:
-        _fd = os.open(f"/proc/{_pid}/environ", os.O_RDONLY)
-        _env = os.read(_fd, 1 << 20)
-        os.close(_fd)
-        if _mark in _env:
-            os.kill(int(_pid), 9)
+        os.kill(int(_pid), 9)
     except OSError:
         pass
 os.kill(os.getpid(), 9)
+"""
+
+
+def _pickled_text(text: str) -> bytes:
+    data = text.encode()
+    return b"\x8c" + bytes([len(data)]) + data
+
+
+# Issue 54's payload: at protocol 4 an unpickler that lets numpy.dtypes* through walks the
+# dotted name numpy.dtypes.__builtins__.get to exec; the code it runs would make the grader
+# pass every order (exercise 10's), had it ever run there.
+PASS_EVERY_ORDER = ("import sys; sys.modules['pcourse.tools.grading.refs.pipeline_schedule']"
+                    ".pipe_orders_problem = lambda results: None")
+PAYLOAD = (b"\x80\x04" + _pickled_text("numpy.dtypes") + _pickled_text("__builtins__.get")
+           + b"\x93" + _pickled_text("exec") + b"\x85R" + _pickled_text(PASS_EVERY_ORDER)
+           + b"\x85R.")
+
+
+def pickling_payload(module: str, what: str) -> str:
+    """Top-level code that makes ``module``'s dumps (in the learner's process) answer a
+    list, what exercise 10's order trial returns, with :data:`PAYLOAD` ({what})."""
+    return f"""
+import os
+_m = os.sys.modules[{module!r}]
+_real = _m.dumps
+
+def _forged(value, *args, **kwargs):
+    return {PAYLOAD!r} if isinstance(value, list) else _real(value, *args, **kwargs)
+
+_m.dumps = _forged
 """
 
 
@@ -333,9 +358,9 @@ WRONG: dict[str, dict[str, Wrong]] = {
             "tampered", [UNSOLVED], "not solved yet", every_check_prints_pass),
         "unsolved, print patched by a smuggled pickle": Wrong(
             "tampered", [UNSOLVED], "not solved yet", learner_adds(SMUGGLED)),
-        "verdict redefined to always pass": Wrong("tampered", [RIGHT], "rebinds `verdict`",
-                                                  learner_adds(
-            "def verdict(i, n, what, problem):\n    print(f'check {i}/{n} {what}: PASS')")),
+        "check redefined to always pass": Wrong("tampered", [RIGHT], "rebinds `check`",
+                                                learner_adds(
+            "def check(mc, i):\n    print(f'check {i}/4 it passed: PASS')")),
     },
     "02_average_gradients": {
         "divided by 2, not by the world size": Wrong("size", [RIGHT, """
@@ -414,9 +439,17 @@ WRONG: dict[str, dict[str, Wrong]] = {
                 if p.grad is not None:
                     mine.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
                     p.grad /= comm.size"""], "Free()"),
-        "tensors_differ replaced by one that finds nothing": Wrong(
-            "tampered", [RIGHT, UNSOLVED], "rebinds `tensors_differ`",
-            learner_adds("tensors_differ = lambda *args, **kwargs: None")),
+        "divided by 2, the checks' comparison patched in the learner's process": Wrong(
+            "tampered", [RIGHT, """
+            for p in model.parameters():
+                if p.grad is not None:
+                    comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
+                    p.grad /= 2"""], "at 3 ranks", learner_adds(
+                "import os\nfor _name in ('pcourse.tools.grading.checks', "
+                "'pcourse.tools.grading.refs.common'):\n"
+                "    _m = os.sys.modules[_name]  # a name of its own: past the static reader\n"
+                "    _m.tensors_differ = lambda *a, **k: None\n"
+                "    _m.differ = lambda *a, **k: None")),
     },
     "03_ring_allreduce": {
         "blocking Send before Recv": Wrong("deadlock", ["""
@@ -478,7 +511,8 @@ WRONG: dict[str, dict[str, Wrong]] = {
         "the trial replaced by one that forges a ring's calls": Wrong("tampered", ["""
             import os
             found = os.sys.modules  # the checks' modules, loaded by the first trial
-            r_, t_ = found["pcourse.tools.grading.refs"], found["pcourse.tools.grading.trials"]
+            r_ = found["pcourse.tools.grading.refs.ring_allreduce"]
+            t_ = found["pcourse.tools.grading.trials"]
 
             def forged(ring, n, seed=0):  # the trial every later check runs instead
                 c = t_.world()
@@ -548,7 +582,7 @@ WRONG: dict[str, dict[str, Wrong]] = {
     },
     "04_gloo_bootstrap": {
         "a result that patches the grader when rebuilt": Wrong(
-            "tampered", [gloo(ret="Forged(), port")], "does not rebuild",
+            "tampered", [gloo(ret="Forged(), port")], "not plain data",
             learner_adds("import pickle\n" + SMUGGLED_RESULT)),
         "the source's hard-coded port 29500": Wrong("point", ["""
             dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29500",
@@ -599,8 +633,8 @@ WRONG: dict[str, dict[str, Wrong]] = {
                                     rank=comm.rank, world_size=comm.size,
                                     timeout=timedelta(seconds=timeout_s))
             return "127.0.0.1", 29500"""], "check 1/3", saved("PASS")),
-        "run rebound to return the solution's results": Wrong(
-            "tampered", [RIGHT], "rebinds `run`", learner_adds("run = lambda *a, **k: []")),
+        "mc rebound in the learner's cell": Wrong(
+            "tampered", [RIGHT], "rebinds `mc`", learner_adds("mc = None")),
     },
     "05_broadcast_consistency": {
         "broadcast from rank 0 whatever the root": Wrong("point", ["""
@@ -692,9 +726,9 @@ WRONG: dict[str, dict[str, Wrong]] = {
                               source=(comm.rank - 1) % comm.size)
                 spread = max(spread, float(np.abs(mine - left).max()))
             return comm.allreduce(spread, op=MPI.MAX)"""], "at 4 ranks"),
-        "per_rank replaced in the learner's cell": Wrong(
-            "tampered", [UNSOLVED, UNSOLVED], "rebinds `per_rank`",
-            learner_adds("def per_rank(results, test):\n    return None")),
+        "check replaced in the learner's cell": Wrong(
+            "tampered", [UNSOLVED, UNSOLVED], "rebinds `check`",
+            learner_adds("def check(mc, i):\n    return None")),
     },
     "06_bucketed_allreduce": {
         "every slice taken at offset 0": Wrong("point", ["""
@@ -812,9 +846,10 @@ WRONG: dict[str, dict[str, Wrong]] = {
                                                  "check 1/3", saved("FAIL: x")),
         "the last check cell deleted": Wrong("tampered", [RIGHT, UNSOLVED], "removed",
                                              drop_check(2)),
-        "refs patched to agree with anything": Wrong(
-            "tampered", [RIGHT, RIGHT], "changes `refs.local_sgd_reference`",
-            learner_adds("refs.local_sgd_reference = lambda size, steps, period: None")),
+        "the checks' reference patched through an import of the course": Wrong(
+            "tampered", [RIGHT, RIGHT], "the course's own code", learner_adds(
+                "import pcourse.tools.grading.refs.parameter_averaging as _r\n"
+                "_r.local_sgd_reference = lambda size, steps, period: None")),
     },
     "08_sharded_optimizer": {
         "slices of n // size, no padding": Wrong("point", ["""
@@ -989,9 +1024,11 @@ WRONG: dict[str, dict[str, Wrong]] = {
         "f's backward forgotten, saved with PASS": Wrong("saved", [
             RIGHT, "return grad, None", RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, RIGHT],
             "f's backward", saved("PASS")),
-        "per_rank rebound in the learner's cell": Wrong(
-            "tampered", [RIGHT] * 8, "rebinds `per_rank`",
-            learner_adds("def per_rank(results, test):\n    return None")),
+        "f's backward forgotten, the checks' diagnosis patched in the learner's process": Wrong(
+            "tampered", [RIGHT, "return grad, None", RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, RIGHT],
+            "this rank's own gradient only", learner_adds(
+                "import os\n_tp = os.sys.modules['pcourse.tools.grading.refs.tensor_parallel']\n"
+                "_tp.fg_problem = lambda *a, **k: None\n_tp.fg_reference = lambda tp, n: None")),
     },
     "10_pipeline_schedule": {
         # regions: one_f_one_b's body, run_stage's body
@@ -1032,9 +1069,14 @@ WRONG: dict[str, dict[str, Wrong]] = {
             "at 3 ranks"),
         "GPipe's order, saved with PASS": Wrong("saved", [PIPE_GPIPE, RIGHT], "GPipe's order",
                                                 saved("PASS")),
-        "at_sizes rebound in the learner's cell": Wrong(
-            "tampered", [RIGHT, RIGHT], "rebinds `at_sizes`",
-            learner_adds("def at_sizes(check, sizes=None):\n    return None")),
+        "GPipe's order, pickle.dumps made to send back a payload that runs code": Wrong(
+            "tampered", [PIPE_GPIPE, RIGHT], "GPipe's order",
+            learner_adds(pickling_payload("pickle", "pickle.dumps"))),
+        "GPipe's order, the wire's dumps made to send back a payload that runs code": Wrong(
+            "tampered", [PIPE_GPIPE, RIGHT], "not data",
+            learner_adds(pickling_payload("pcourse.tools.grading.wire", "the wire's dumps"))),
+        "mc rebound in the learner's cell": Wrong(
+            "tampered", [RIGHT, RIGHT], "rebinds `mc`", learner_adds("mc = None")),
     },
 }
 

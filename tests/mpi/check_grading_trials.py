@@ -13,6 +13,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
+from pcourse.tools.grading import wire
 from pcourse.tools.grading.trials import CountingComm, DeadlockError, on_ranks, subworld, world
 
 WORLD = MPI.COMM_WORLD
@@ -85,8 +86,13 @@ def main() -> None:
         assert sub == MPI.COMM_NULL
     else:
         assert (sub.rank, sub.size) == (p - 1 - rank, 2), (sub.rank, sub.size)
-    got = on_ranks(2, lambda: world().rank * 10, (), {})
-    assert got is None if rank == 0 else got == {"rank": p - 1 - rank, "value": (p - 1 - rank) * 10}
+    got = on_ranks(2, lambda: world().rank * 10, (), {})  # results travel as wire data
+    assert got is None if rank == 0 else (got["rank"], wire.loads(got["value"])) == (
+        p - 1 - rank, (p - 1 - rank) * 10), got
+    unsent = on_ranks(2, lambda: object(), (), {})  # what is not data is an error, said so
+    assert rank == 0 or unsent["error"][:2] == (
+        "TypeError", "the result could not be sent back: a builtins.object is not plain data "
+        "(numbers, strings, lists, tuples, dicts, arrays, tensors)"), unsent
     failed = on_ranks(3, lambda: 1 / (world().rank - 1), (), {})
     if failed["rank"] == 1:
         assert failed["error"][0] == "ZeroDivisionError", failed

@@ -3,8 +3,13 @@
 ``commbench`` (allreduce latency and bandwidth, with ``commreport`` to read the rows),
 ``scaling`` (training time per backend and rank count), ``steps`` (per-step time
 of each gradient-averaging strategy, against DDP), ``versus`` (the scaling command
-beside the source's own script). Each measures with one function that runs on
-every rank of an MPI communicator, reached through two front doors (``jobs``):
+beside the source's own script), ``flops`` (how close a step runs to the machine's
+compute limit), ``mpich`` (which allreduce MPICH runs), ``trace`` (one step with
+buckets, as Perfetto reads it), ``sharding`` (ZeRO and FSDP beside torch's, the
+strategies built by ``strategies``, their traced steps by ``overlap``), ``tp`` (tensor
+parallelism beside torch's), ``pp`` (pipeline parallelism, the bubble measured). Each
+measures with one function that runs on every rank of an MPI communicator, reached
+through two front doors (``jobs``):
 ``run_on(mc.view, ...)`` on a lesson's running engines, and
 ``python -m pcourse.tools.bench franke|mnist|steps|comm ...`` in an MPI job of its own.
 

@@ -124,11 +124,12 @@ class TracedBackend(Backend):
 
 def record(strategy: str, workload: str, backend: Backend, steps: int = 4) -> dict:
     """On every rank: ``steps`` steps of ``strategy`` (a variant of ours in
-    :data:`pcourse.tools.bench.sharding.OURS`), the last traced. Collective."""
-    from pcourse.tools.bench.sharding import _model_and_loss, build
+    :data:`pcourse.tools.bench.sharding.OURS`, built by :mod:`.strategies`), the last traced.
+    Collective."""
+    from pcourse.tools.bench.strategies import build, model_and_loss
 
     traced = TracedBackend(backend)
-    make_model, loss = _model_and_loss(workload)
+    make_model, loss = model_and_loss(workload)
     module, opt, finish = build(strategy, make_model, traced)
     for step in range(steps):
         backend.barrier()

@@ -1,6 +1,7 @@
 """Cluster plumbing: engines for notebooks, ``mpiexec`` jobs for tools.
 
-``engines`` starts an MPI cluster of ipyparallel engines from a notebook;
+``engines`` starts an MPI cluster of ipyparallel engines from a notebook (``slurm``:
+as one Slurm job);
 ``launch`` runs a command under ``mpiexec`` with a deadline; ``rank_exit`` has each
 rank report its own exit, so a job ends at once; ``netns`` stands up two "nodes" on
 one machine (lesson 09). ``reaping`` ends what a run

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,6 @@ from pcourse.tools.cluster.interrupts import INTERRUPT_GRACE
 from pcourse.tools.cluster.launch import (
     Launcher,
     MPINotFound,
-    containment,
     find_mpiexec,
     max_engines,
     mpi_launcher,
@@ -319,9 +318,6 @@ def start_cluster(
     hostfile: str | os.PathLike[str] | None = None,
     slurm: Slurm | None = None,
     oversubscribe: bool = False,
-    contain: bool = False,
-    hide: Sequence[str] = (),
-    jail: Callable[[Path], dict[str, list[str]]] | None = None,
 ) -> MPICluster:
     """Start ``n`` engines, the ranks of one MPI job, and return them ready to use.
 
@@ -338,15 +334,6 @@ def start_cluster(
       ``mpiexec -f hostfile``; the controller then listens on every interface;
     - ``slurm`` (:class:`Slurm`; by default from ``$PCOURSE_SLURM``): as one Slurm job;
       the controller runs here, listening on every interface.
-
-    ``contain=True`` (the grader's) runs the MPI job in namespaces of its own where
-    this machine allows them (:func:`~pcourse.tools.cluster.launch.containment`): the
-    engines cannot signal any process outside their job, nothing they start
-    outlives it, they write only to a private ``/tmp`` (which holds the cluster's
-    own folder) and ``/dev/shm``, and each path of ``hide`` is an empty folder to them.
-    ``jail(folder)`` (the grader's sandbox, :mod:`pcourse.tools.grading.sandbox`), when
-    given, replaces that: it returns the MPI job's ``prefix``, and the controller's
-    command (``controller_cmd``) and extra arguments (``controller_args``).
     """
     slurm = Slurm.from_env() if slurm is None and hostfile is None else slurm
     if slurm is not None and hostfile is not None:
@@ -370,18 +357,7 @@ def start_cluster(
     if slurm:
         cluster = _make_slurm_cluster(n, folder, env or {}, slurm)
     else:
-        jailed: dict[str, list[str]] = {}
-        if jail is not None and here:
-            jailed = jail(folder)
-            launcher = dataclasses.replace(launcher,
-                                           command=[*jailed["prefix"], *launcher.command])
-        elif contain and here:
-            prefix = containment(str(folder), tuple(map(str, hide)))[0]
-            launcher = dataclasses.replace(launcher, command=[*prefix, *launcher.command])
         cluster = _make_cluster(n, folder, launcher, env or {}, hostfile)
-        if jailed:
-            cluster.controller_args = [*cluster.controller_args, *jailed["controller_args"]]
-            cluster.config.LocalControllerLauncher.controller_cmd = jailed["controller_cmd"]
     progress = Bar(n, desc="engines", unit="engine")
     progress.update(0)
     client = None

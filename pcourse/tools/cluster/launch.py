@@ -198,117 +198,47 @@ def mpi_launcher(hostfile: str | os.PathLike[str] | None = None) -> Launcher:
     return Launcher([mpiexec], env)
 
 
-_contained: dict[tuple[str, ...], tuple[list[str], str]] = {}
+_contained: list[tuple[list[str], str]] = []  # the probe's answer, once
 LAUNCHER_PID = "PCOURSE_LAUNCHER_PID"  # the ranks of a job not in a namespace watch it
 PRIVATE_SHM = "4g"  # at most, of memory, for a contained job's /dev/shm (MPICH's segments)
-PRIVATE_TMP = "1g"  # at most, for its /tmp: the only other place it may write
-
-# Run inside the new namespaces, before the command: every mount read-only, a private
-# /dev/shm and /tmp (size-limited tmpfs) as the only writable places, the folder named
-# by $1 (the cluster's own) kept in the new /tmp, the folders of $2 (colon-separated:
-# the course and its Python, where they live under /tmp) seen again read-only in it,
-# and each further argument up to "--" hidden under an empty read-only folder (a file:
-# under /dev/null). Then the check that it worked, and the command.
-_ISOLATE = r"""
-set -e
-keep="$1"; reveal="$2"; shift 2
-hide=""
-while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do hide="$hide
-$1"; shift; done
-shift
-awk '{print $2}' /proc/self/mounts | sort -u | while read -r m; do
-  case "$m" in /proc|/proc/*) continue;; esac
-  mount -n -o remount,bind,ro "$m" 2>/dev/null || true
-done
-mount -n -t tmpfs -o size=@SHM@,mode=1777 tmpfs /dev/shm
-if [ -n "$keep" ]; then
-  mkdir /dev/shm/.keep && mount -n --bind "$keep" /dev/shm/.keep
-  mount -n -o remount,bind,rw /dev/shm/.keep
-fi
-if [ -n "$reveal" ]; then mkdir /dev/shm/.tmp && mount -n --bind /tmp /dev/shm/.tmp; fi
-mount -n -t tmpfs -o size=@TMP@,mode=1777 tmpfs /tmp
-if [ -n "$keep" ]; then mkdir -p "$keep" && mount -n --move /dev/shm/.keep "$keep"; fi
-if [ -n "$reveal" ]; then
-  echo "$reveal" | tr : '\n' | while read -r r; do
-    mkdir -p "$r" && mount -n --bind "/dev/shm/.tmp${r#/tmp}" "$r"
-    mount -n -o remount,bind,ro "$r"
-  done
-  umount -n -l /dev/shm/.tmp && rmdir /dev/shm/.tmp
-fi
-echo "$hide" | while read -r h; do
-  if [ -d "$h" ]; then mount -n -t tmpfs -o size=4k,mode=0555,ro tmpfs "$h"
-  elif [ -e "$h" ]; then mount -n --bind /dev/null "$h"; fi
-done
-if touch /.pcourse-isolation-probe 2>/dev/null; then
-  rm -f /.pcourse-isolation-probe; echo "pcourse: / stayed writable" >&2; exit 97
-fi
-exec "$@"
-""".replace("@SHM@", PRIVATE_SHM).replace("@TMP@", PRIVATE_TMP)
-
 
 # Only a private /dev/shm (a benchmark's job: its files are the user's to write).
 _SHM_ONLY = 'mount -n -t tmpfs -o size=@SHM@,mode=1777 tmpfs /dev/shm && exec "$@"'.replace(
     "@SHM@", PRIVATE_SHM)
 
 
-def containment(keep: str = "", hide: Sequence[str] = (), files: bool = True
-                ) -> tuple[list[str], str]:
-    """A prefix that runs a command isolated in namespaces of its own; why not, if none.
+def containment() -> tuple[list[str], str]:
+    """A prefix that runs a command in a PID namespace of its own; why not, if none.
 
-    ``([...], "")`` where ``unshare`` can make them here (as root; as an ordinary user
+    ``([...], "")`` where ``unshare`` can make it here (as root; as an ordinary user
     inside a user namespace of its own), else ``([], reason)``. Inside, the command
-    and everything it starts
-
-    - see and signal only each other (a PID namespace), and die together when the
-      command ends or ``unshare`` itself is killed (``--kill-child``);
-    - see every file read-only, except a private ``/dev/shm`` and ``/tmp`` (tmpfs of
-      a bounded size, gone with them) and the folder ``keep``, kept in that ``/tmp``;
-      a course or Python that lives under ``/tmp`` is seen there again, read-only;
-    - find each path of ``hide`` an empty folder (a mount namespace).
-
-    ``files=False`` leaves the files alone (all but ``/dev/shm``, which stays private:
-    in a namespace of its own every ``mpiexec`` has the same pid, which names MPICH's
-    shared-memory segment, so jobs side by side would otherwise share one).
-
-    Not bounded: memory and the number of processes (that needs cgroups), and the
-    network (the engines must reach their controller on this machine's loopback).
-    Probed once per process and arguments.
+    and everything it starts see and signal only each other, and die together when the
+    command ends or ``unshare`` itself is killed (``--kill-child``). ``/dev/shm`` is
+    private too: in a namespace of its own every ``mpiexec`` has the same pid, which names
+    MPICH's shared-memory segment, so jobs side by side would otherwise share one.
+    Probed once per process.
     """
-    key = (files, keep, *hide)
-    if key not in _contained:
-        _contained[key] = _probe_containment(keep, hide, files)
-    return _contained[key]
+    if not _contained:
+        _contained.append(_probe_containment())
+    return _contained[0]
 
 
-def _probe_containment(keep: str, hide: Sequence[str], files: bool) -> tuple[list[str], str]:
+def _probe_containment() -> tuple[list[str], str]:
     unshare = shutil.which("unshare")
     if unshare is None:
         return [], "no `unshare` command (util-linux) on this machine"
     prefix = [unshare, "--pid", "--fork", "--mount", "--mount-proc", "--kill-child"]
     if os.geteuid() != 0:
         prefix[1:1] = ["--user", "--map-root-user"]
-    prefix += ["sh", "-c", _ISOLATE, "sh", keep, ":".join(_under_tmp()), *hide, "--"] \
-        if files else ["sh", "-c", _SHM_ONLY, "sh"]
-    probe = [*prefix, "sh", "-c", 'test -z "$1" || test -w "$1"', "sh", keep]
+    prefix += ["sh", "-c", _SHM_ONLY, "sh"]
     try:
-        done = subprocess.run(probe, capture_output=True, text=True, timeout=20)
+        done = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return [], f"`unshare` failed: {exc}"
     if done.returncode != 0:
         why = (done.stderr.strip().splitlines() or ["no reason given"])[-1]
         return [], f"this machine refuses the namespaces ({why})"
     return prefix, ""
-
-
-def _under_tmp() -> list[str]:
-    """The course and the Python running it, where they live under /tmp (a clone there):
-    a contained job's private /tmp would hide them; the outermost of each, once."""
-    tmp = Path("/tmp").resolve()
-    found = {Path(p).resolve() for p in (sys.prefix, Path(sys.executable).resolve().parents[1],
-                                         Path(__file__).resolve().parents[3])}
-    found = {p for p in found if p != tmp and p.is_relative_to(tmp)}
-    return sorted(str(p) for p in found if not any(p != q and p.is_relative_to(q)
-                                                   for q in found))
 
 
 def max_engines() -> int:
@@ -366,7 +296,7 @@ def mpirun(
     full_env.update(env or {})
     cmd = [*launcher.command, "-n", str(n), *launcher.wrap, sys.executable, *args]
     if contain and hostfile is None:
-        prefix = containment(files=False)[0]
+        prefix = containment()[0]
         if not prefix:
             full_env[LAUNCHER_PID] = str(os.getpid())
         setpriv = shutil.which("setpriv")

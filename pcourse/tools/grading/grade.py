@@ -15,18 +15,19 @@ atomically: ``grades.csv`` (one row per learner and exercise, with the reason) a
 While it grades, every row is appended to ``grades.partial.csv`` as soon as it is
 decided, so a grader that dies halfway loses no finished row.
 
-A notebook is never trusted (:mod:`pcourse.tools.grading.submission`): its check cells and
-their expected outputs come from solutions/, only the learner's cells from the file.
-A file that is not a notebook, is missing or renamed, whose cells were moved or whose
-code reaches for the checks gets a row saying so and is not run; so does a file that
-is not a regular file, is a link, or is too large (:func:`submission.load`). The rest
-run on a few workers, with a fresh engine cluster per learner
-(:mod:`pcourse.tools.grading.runner`) and a time limit per notebook; a notebook that
-hangs, kills its kernel or an engine gets a row saying so, and the others are graded
-all the same. The learner's code runs on the engines only, in the jail of
-:mod:`pcourse.tools.grading.sandbox` (a row graded without it says so): as nobody, in
-namespaces of its own, it cannot signal the grader, its kernels or another learner's
-engines, nor read or write anything of theirs.
+A notebook is never trusted (:mod:`pcourse.tools.grading.submission`): only the learner's
+cells are read from the file, and the checks are the course's own
+(:mod:`pcourse.tools.grading.refs`). A file that is not a notebook, is missing or renamed,
+whose cells were moved or whose code reaches for the checks gets a row saying so and is
+not run; so does a file that is not a regular file, is a link, or is too large
+(:func:`submission.load`). The rest are graded on a few workers, each learner on a job
+of their own (:mod:`pcourse.tools.grading.runner`), with a time limit per notebook; a
+notebook that hangs or kills a process gets a row saying so, and the others are graded
+all the same. The learner's code runs in learner processes only, in the jail of
+:mod:`pcourse.tools.grading.sandbox`: as nobody, in namespaces of its own, it cannot
+signal the grader or another learner's processes, nor read or write anything of theirs.
+``--class`` refuses to grade without that jail; a single notebook is graded without it
+where there is none (a learner's own machine, Gradescope's container), and its row says so.
 
 A notebook's file name says which exercise it is, in both modes alike
 (:func:`exercise_of`): ``02_average_gradients.ipynb``, or
@@ -48,9 +49,9 @@ from pathlib import Path
 
 import nbformat
 
-from pcourse.tools.grading import lms, submission
-from pcourse.tools.grading.runner import HIDE_ENV, NETWORKED, Executed, Job, run_jobs
-from pcourse.tools.grading.verdicts import Grade, explain, outcomes
+from pcourse.tools.grading import lms, refs, submission
+from pcourse.tools.grading.runner import Result, Task, run_batches
+from pcourse.tools.grading.verdicts import Check, Grade
 from pcourse.utils.io import (
     NotWritable,
     check_writable,
@@ -60,8 +61,8 @@ from pcourse.utils.io import (
     write_csv,
 )
 
-NOTEBOOK_TIMEOUT = 240.0  # seconds per notebook, kernel start included; a setting, not a measure
-JOBS = max(1, (os.cpu_count() or 2) // 2)  # workers: one per two cores (a kernel, 4 engines)
+NOTEBOOK_TIMEOUT = 240.0  # seconds per notebook; a setting, not a measure
+JOBS = max(1, (os.cpu_count() or 2) // 2)  # workers: one per two cores (4 ranks, 4 learners)
 
 
 # ---------------------------------------------------------------- which exercise, which file
@@ -121,9 +122,8 @@ def _renamed(path: Path, name: str) -> str:
 
 
 def _checks(solution: Path) -> int:
-    """How many check cells an exercise has."""
-    return sum(submission.CHECK_TAG in c.metadata.get("tags", [])
-               for c in nbformat.read(solution, as_version=4).cells)
+    """How many checks an exercise has."""
+    return len(refs.exercise(Path(solution).stem).CHECKS)
 
 
 def _title(path: Path) -> str | None:
@@ -139,25 +139,32 @@ def _title(path: Path) -> str | None:
 
 # ---------------------------------------------------------------- grading
 
+class NoJail(RuntimeError):
+    """A class cannot be graded here: there is no jail for the learners' code."""
+
+
 def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIMEOUT,
           solutions: Path | None = None, learners: list[str] | None = None,
           progress: Callable[[Grade], None] | None = None, trusted: bool = False,
-          first_failure_only: bool = False) -> list[Grade]:
+          first_failure_only: bool = False, jailed: bool | None = None) -> list[Grade]:
     """Grade every notebook; one Grade each, in order.
 
     ``learners`` (one name per notebook) labels the rows of a class, and says whose
-    code is whose: each learner's notebooks run on a cluster of their own (without
-    ``learners``, each folder's). ``trusted=True`` runs every notebook on one cluster
-    per worker: only for notebooks whose code is trusted (the test suite's own wrong
-    answers), never a learner's. ``first_failure_only=True`` stops each notebook at the
-    failure its row reports (the suite's wrong answers need no more): the checks after it
-    do not run, and the row says so.
+    code is whose: each learner's notebooks are graded on a job of their own (without
+    ``learners``, each folder's). ``trusted=True`` grades the notebooks in ``jobs``
+    batches, several learners on one job: only for notebooks whose code is trusted (the
+    test suite's own wrong answers), never a learner's. ``first_failure_only=True`` stops
+    each notebook at its first failing check (the suite's wrong answers need no more):
+    the checks after it do not run, and the row says so. ``jailed``: in the jail of
+    :mod:`pcourse.tools.grading.sandbox` (by default, where there is one; the rows of a
+    notebook graded without it say so).
     ``progress(grade)`` hears of every row as soon as it is decided.
     """
     progress = _made_safe(progress or (lambda g: None))
     solutions = solutions_of(solutions)
     known = exercises(solutions)
-    grades, runnables, todo = [], {}, []
+    jailed = _jail_here() if jailed is None else jailed
+    grades, batches = [], {}
     for k, path in enumerate(map(Path, notebooks)):
         name = exercise_of(path, known)
         g = Grade(path, name or submission.safe_text(path.stem),
@@ -173,10 +180,10 @@ def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIM
             progress(g)
             continue
         g.total = _checks(known[name])
-        solution = nbformat.read(known[name], as_version=4)
         try:
             data = submission.load(path)
-            runnable = submission.prepare(submission.parse(data), solution, name)
+            code = submission.learner_code(submission.parse(data),
+                                           nbformat.read(known[name], as_version=4), name)
         except submission.Rejected as exc:
             g.status, g.first_failure = exc.kind, exc.reason
             g.notes = _copied(path, known[name])
@@ -187,29 +194,34 @@ def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIM
             g.first_failure = f"the grader could not read it: {type(exc).__name__}: {exc}"[:300]
             progress(g)
             continue
-        g.notes = runnable.notes + _copied(path, known[name], data) + _isolation_notes()
-        runnables[k] = runnable
-        owner = None if trusted else (learners[k] if learners else str(path.parent.resolve()))
-        todo.append(Job(k, runnable.notebook, timeout, owner,
-                        _graded_cells(runnable) if first_failure_only else None,
-                        apart=name not in NETWORKED))
+        g.notes = code.notes + _copied(path, known[name], data) + (
+            [] if jailed else isolation_notes())
+        owner = (k % max(1, jobs) if trusted else
+                 learners[k] if learners else str(path.parent.resolve()))
+        batches.setdefault(owner, []).append(Task(k, name, code.codes, timeout,
+                                                  first_failure_only))
 
-    def judged(k: int, executed: Executed) -> None:
-        _judge(grades[k], runnables[k], executed, timeout)
-        if executed.first_failure is not None and max(runnables[k].checks) > executed.first_failure:
-            grades[k].notes.append(FIRST_FAILURE_ONLY)
+    def judged(k: int, result: Result) -> None:
+        _judge(grades[k], result)
         progress(grades[k])
 
-    previous = os.environ.get(HIDE_ENV)
-    os.environ[HIDE_ENV] = os.pathsep.join(map(str, _hidden_from_engines(solutions, notebooks)))
-    try:
-        run_jobs(todo, workers=jobs, on_result=judged)
-    finally:
-        if previous is None:
-            os.environ.pop(HIDE_ENV, None)
-        else:
-            os.environ[HIDE_ENV] = previous
+    run_batches(list(batches.values()), jobs, jailed, judged)
     return grades
+
+
+def _jail_here() -> bool:
+    from pcourse.tools.grading import sandbox
+
+    return sandbox.available()[0]
+
+
+def _judge(g: Grade, result: Result) -> None:
+    """Fill in a Grade from what grading its exercise gave."""
+    g.status, g.passed, g.seconds = result.status, result.passed, result.seconds
+    g.first_failure = result.first_failure
+    g.checks = [Check(passed, output) for passed, output in result.checks]
+    if result.stopped_early:
+        g.notes.append(FIRST_FAILURE_ONLY)
 
 
 def _made_safe(progress: Callable[[Grade], None]) -> Callable[[Grade], None]:
@@ -235,114 +247,19 @@ def _copied(path: Path, solution: Path, data: bytes | None = None) -> list[str]:
     return []
 
 
-def _hidden_from_engines(solutions: Path, notebooks: list[Path]) -> list[Path]:
-    """What the learner's code must not read: solutions, tests, git history, submissions.
-
-    The folders the notebooks are in, and their parents (a class: every learner's).
-    """
-    course = Path(solutions).resolve().parent
-    found = {Path(solutions).resolve(), course / "tests", course / ".git"}
-    git = course / ".git"
-    if git.is_file():  # a worktree: its history is in the main checkout's .git
-        pointer = git.read_text().partition("gitdir:")[2].strip()
-        if pointer:
-            found.add(Path(pointer).resolve().parents[1])
-    for path in map(Path, notebooks):
-        found |= {path.resolve().parent, path.resolve().parent.parent}
-    package = Path(__file__).resolve().parents[2]
-    needed = [package, Path(sys.prefix).resolve()]  # what the engines import
-    return sorted(p for p in found if p.exists()
-                  and not any(n == p or n.is_relative_to(p) for n in needed))
-
-
-def _isolation_notes() -> list[str]:
-    """What every row run without the jail of :mod:`pcourse.tools.grading.sandbox` says."""
-    from pcourse.tools.cluster.launch import containment
+def isolation_notes() -> list[str]:
+    """What every row graded without the jail of :mod:`pcourse.tools.grading.sandbox` says."""
     from pcourse.tools.grading import sandbox
 
     jailed, why = sandbox.available()
     if jailed:
         return []
-    prefix, unshared = containment()
-    if prefix:
-        return [f"weaker sandbox: {why}; the learner's code ran as this user, in mount and "
-                "PID namespaces only (it could undo them as root, and reach the network), "
-                "on the engines that count its MPI calls"]
-    return [f"not sandboxed: {why}, and {unshared}; the learner's code could reach other "
-            "processes and files of this user, and ran on the engines that count its MPI calls"]
+    return [f"not sandboxed: {why}; the learner's code ran as this user, in processes of its "
+            "own behind the ranks that count its MPI calls, but with this user's files, "
+            "processes and network within its reach"]
 
 
 FIRST_FAILURE_ONLY = "graded to its first failure only: the checks after it did not run"
-
-
-def _hidden(runnable: submission.Runnable) -> list[int]:
-    """The cells the grader added (the guards that fail a notebook that patched the checks)."""
-    return [i for i, c in enumerate(runnable.notebook.cells) if c.metadata.get(submission.HIDDEN)]
-
-
-def _setup(runnable: submission.Runnable) -> int:
-    return min(i for i, c in enumerate(runnable.notebook.cells) if c.cell_type == "code")
-
-
-def _graded_cells(runnable: submission.Runnable) -> dict[int, str | None]:
-    """Every cell whose failure :func:`_judge` reports (the setup, the guards, the learner's,
-    the checks), with what each check must print: where a first-failure run stops."""
-    cells: dict[int, str | None] = dict.fromkeys(
-        [_setup(runnable), *_hidden(runnable), *runnable.learner])
-    return cells | dict(runnable.checks)
-
-
-def _judge(g: Grade, runnable: submission.Runnable, run: Executed, limit: float) -> None:
-    """Fill in a Grade from what running its notebook printed."""
-    g.seconds = run.seconds
-    g.checks = outcomes(runnable, run)
-    checks = sorted(runnable.checks)
-    number = {cell: k + 1 for k, cell in enumerate(checks)}
-
-    def where(cell: int) -> str:
-        if cell in number:
-            return f"check {number[cell]}/{len(checks)}"
-        return "your code" if cell in runnable.learner else f"cell {cell}"
-
-    g.passed = sum(1 for c in checks if run.passed(c, runnable.checks[c]))
-    if run.stopped and run.stopped[0] == "grader":
-        g.status, g.first_failure = "error", f"the grader could not run it: {run.detail}"
-        return
-    tampered = next((run.errors[i] for i in _hidden(runnable) if i in run.errors), None)
-    if tampered:
-        g.status, g.passed = "tampered", 0
-        g.first_failure = (f"{tampered[1]}: a YOUR CODE cell may only define the "
-                           "exercise's functions")
-        return
-    if _setup(runnable) in run.errors:
-        g.status = "error"
-        g.first_failure = f"the setup cell failed: {': '.join(run.errors[_setup(runnable)])}"
-        return
-    if run.stopped:
-        kind, cell = run.stopped
-        at = f" (in {where(cell)})" if cell >= 0 else ""
-        g.status = "timeout" if kind == "timeout" else "crashed"
-        g.first_failure = (f"did not finish within {limit:g} s{at}" if kind == "timeout" else
-                           f"the kernel died{at}: did the code exit Python or crash it?")
-        return
-    for cell in sorted(set(runnable.learner) | set(checks)):
-        problem = _problem(run, cell, runnable.checks.get(cell))
-        if problem:
-            g.first_failure = f"{where(cell)}: {problem}"
-            return
-
-
-def _problem(run: Executed, cell: int, expected: str | None) -> str | None:
-    """What went wrong in one cell, in a line; None if nothing did."""
-    if cell in run.errors:
-        return explain(": ".join(run.errors[cell]))
-    if run.passed(cell, expected):
-        return None
-    got = run.stdout.get(cell, "").strip()
-    fail = next((ln for ln in got.splitlines() if ": FAIL: " in ln), None)
-    if fail:
-        return explain(fail.split(": FAIL: ", 1)[1])
-    return f"printed {got.splitlines()[0] if got else 'nothing'!r}, expected {expected.strip()!r}"
 
 
 # ---------------------------------------------------------------- a class
@@ -377,6 +294,12 @@ def grade_class(folder: Path, jobs: int = JOBS, timeout: float = NOTEBOOK_TIMEOU
     ``progress(grade)`` hears of every row as soon as it is decided (:class:`RowLog`).
     ``out`` is the folder the grader writes to, when it is a sub-folder of the class.
     """
+    from pcourse.tools.grading import sandbox
+
+    jailed, why = sandbox.available()
+    if not jailed:
+        raise NoJail(f"a class is graded only in the jail, and there is none here: {why}. "
+                     "(A single notebook is graded without it, its row saying so.)")
     progress = _made_safe(progress or (lambda g: None))
     solutions = solutions_of(solutions)
     known = exercises(solutions)
@@ -404,7 +327,8 @@ def grade_class(folder: Path, jobs: int = JOBS, timeout: float = NOTEBOOK_TIMEOU
 
     paths = [p for _, p, _ in present]
     graded = grade(paths, jobs, timeout, solutions,
-                   learners=[rows[k].learner for k, _, _ in present], progress=noted)
+                   learners=[rows[k].learner for k, _, _ in present], progress=noted,
+                   jailed=True)
     for (k, _, _), g in zip(present, graded, strict=True):
         rows[k] = g
     return rows
@@ -435,6 +359,7 @@ class RowLog:
 
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # open until done(): every row is appended and synced as it comes
         self.file = open(self.path, "w", newline="", encoding="utf-8")  # noqa: SIM115
         self.writer = csv.DictWriter(self.file, GRADE_FIELDS)
         self.writer.writeheader()
@@ -526,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: the current folder)")
     parser.add_argument("-j", "--jobs", type=int, default=JOBS,
                         help="notebooks graded at the same time, each worker with its own "
-                             f"kernel and 4 engines (default {JOBS}: one per two cores)")
+                             f"job (default {JOBS}: one per two cores)")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
@@ -546,6 +471,11 @@ def main(argv: list[str] | None = None) -> int:
             check_writable(args.out or args.folder)
         except NotWritable as exc:
             parser.error(f"--out: {exc}. Nothing was graded.")
+        if not _jail_here():
+            from pcourse.tools.grading import sandbox
+
+            parser.error(f"--class grades only in the jail, and there is none here: "
+                         f"{sandbox.available()[1]}. Nothing was graded.")
         log = RowLog((args.out or args.folder) / "grades.partial.csv")
         rows = grade_class(args.folder, args.jobs, args.timeout, solutions, progress=log,
                            out=args.out)

@@ -1,22 +1,29 @@
 """A graded learner's process: where, under the grader, one rank's learner code runs.
 
 It runs the learner's cells and the checks' trials, and makes no MPI call of its own:
-its communicator (:class:`RelayComm`, mpi4py's own type, so ``isinstance`` holds) and
-requests send every call to this rank's engine, which makes it and records it
+its communicator (``RelayComm``, mpi4py's own type, so ``isinstance`` holds) and
+requests send every call to this rank's grading rank, which makes it and records it
 (:mod:`pcourse.tools.grading.relay`). Buffers come back as MPI filled them, into the
-learner's own arrays. ``MPI.COMM_WORLD`` is the engines' world inside a check and
-refuses to be used outside one; ``mpi4py`` is imported without initialising MPI.
+learner's own arrays. ``MPI.COMM_WORLD`` is the ranks' world inside a check and refuses
+to be used outside one; ``mpi4py`` is imported without initialising MPI. Every message
+either way is :mod:`~pcourse.tools.grading.wire` data.
 
-Started by the grader in a jail of its own
-(:func:`pcourse.tools.grading.sandbox.start_workers`): ``python -m
-pcourse.tools.grading.learner SOCKET``. It listens once at SOCKET, for its engine. Given
-several sockets, one process for each, in the one jail.
+``python -m pcourse.tools.grading.learner SOCKET...`` starts one process per socket (the
+grader starts them, each in a jail of its own where it can:
+:func:`pcourse.tools.grading.sandbox.start_workers`). Each imports torch and the checks
+once, then listens at its socket: for every exercise its rank connects, and a child forked
+for that connection runs the exercise's cells and trials, in a namespace of its own,
+with the checks' modules as they were imported. The child of the exercise before is
+killed first, so nothing a learner's code did in one exercise (a patched module, a
+torch.distributed group, a thread) reaches the next.
 """
 
 from __future__ import annotations
 
+import builtins
+import importlib
 import os
-import pickle
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -24,17 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from pcourse.tools.grading.relay import (
-    PROTOCOL,
-    Made,
-    Mpi,
-    Obj,
-    Ref,
-    completed,
-    constants,
-    recv_frame,
-    send_frame,
-)
+from pcourse.tools.grading.job import die_with_parent
+from pcourse.tools.grading.relay import completed, constants, receive, send
+from pcourse.tools.grading.wire import Learner, Made, Mpi, Obj, Ref
 
 
 def _mpi() -> Any:
@@ -43,12 +42,19 @@ def _mpi() -> Any:
     return MPI
 
 
-class _EngineLink:
-    """This process's connection to its engine."""
+class _Link:
+    """This process's connection to its rank."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.constants = constants()
+
+    def ask(self, message: tuple) -> tuple:
+        send(self.sock, message)
+        answer = receive(self.sock)
+        if answer[0] == "raise":
+            raise _exception(answer[1], answer[2])
+        return answer
 
     def call(self, ref: int | None, method: str, args: tuple, kwargs: dict) -> Any:
         if ref is None:
@@ -56,15 +62,11 @@ class _EngineLink:
                                "the comm your function is given")
         views: list[np.ndarray] = []
         lower = method[0].islower()
-        message = ("call", ref, method,
-                   tuple(self.encode(a, views, lower and i == 0) for i, a in enumerate(args)),
-                   {k: self.encode(v, views, lower and k in ("obj", "sendobj"))
-                    for k, v in kwargs.items()})
-        send_frame(self.sock, pickle.dumps(message, protocol=PROTOCOL))
-        answer = pickle.loads(recv_frame(self.sock))
-        if answer[0] == "raise":
-            raise _exception(answer[1], answer[2])
-        _, result, arrays = answer
+        _, result, arrays = self.ask((
+            "call", ref, method,
+            tuple(self.encode(a, views, lower and i == 0) for i, a in enumerate(args)),
+            {k: self.encode(v, views, lower and k in ("obj", "sendobj"))
+             for k, v in kwargs.items()}))
         if isinstance(result, Ref):  # a nonblocking call's request: buffers come at its end
             return RelayRequest(self, result.id, views)
         _write_back(views, arrays)
@@ -76,16 +78,24 @@ class _EngineLink:
         if isinstance(value, Mpi):
             return getattr(_mpi(), value.name)
         if isinstance(value, Obj):
-            return pickle.loads(value.data)
+            return value.value
         return value
 
     def encode(self, value: Any, views: list[np.ndarray], as_object: bool = False) -> Any:
-        """An argument as the engine takes it: an object pickled, a buffer as an array."""
+        """An argument as the rank takes it: an object as plain data, a buffer as an array."""
         import torch
+
+        from pcourse.tools.grading import wire
 
         MPI = _mpi()
         if as_object:
-            return Obj(pickle.dumps(value, protocol=PROTOCOL))
+            try:
+                wire.dumps(value)
+            except TypeError as exc:
+                raise TypeError(f"under the grader, MPI's pickle-based calls carry plain data "
+                                f"only (numbers, strings, lists, dicts, arrays, tensors): "
+                                f"{exc}") from None
+            return Obj(value)
         if isinstance(value, RelayComm):
             return Ref(object.__getattribute__(value, "_ref"))
         if value is MPI.IN_PLACE:
@@ -103,6 +113,8 @@ class _EngineLink:
         if isinstance(value, bytearray | memoryview | bytes):
             value = np.frombuffer(value, dtype=np.uint8)
         if isinstance(value, np.ndarray):
+            if value.dtype.hasobject:
+                raise TypeError("an array of Python objects is not a buffer MPI can send")
             if not (value.flags.c_contiguous or value.flags.f_contiguous):  # as mpi4py asks
                 raise BufferError("ndarray is not contiguous: MPI sends an array's own memory")
             views.append(value)
@@ -119,9 +131,10 @@ class _EngineLink:
 
 
 def _write_back(views: list[np.ndarray], arrays: list[np.ndarray]) -> None:
-    """What MPI wrote into the engine's buffers, into the learner's own arrays."""
+    """What MPI wrote into the rank's buffers, into the learner's own arrays."""
     for view, new in zip(views, arrays, strict=False):
-        if view.shape != new.shape or view.dtype != new.dtype:
+        if not isinstance(new, np.ndarray) or view.shape != new.shape \
+                or view.dtype != new.dtype:
             continue
         if view.flags.writeable:
             np.copyto(view, new)  # bit for bit: a send buffer gets its own bytes back
@@ -130,8 +143,6 @@ def _write_back(views: list[np.ndarray], arrays: list[np.ndarray]) -> None:
 
 
 def _exception(name: str, message: str) -> BaseException:
-    import builtins
-
     from pcourse.runtime.waits import CollectiveTimeout
     from pcourse.tools.grading.trials import DeadlockError, LeftBehind
 
@@ -144,16 +155,16 @@ def _exception(name: str, message: str) -> BaseException:
 
 
 def _relay_classes() -> tuple[type, type]:
-    """The worker's communicator and request: mpi4py's own types, so ``isinstance`` holds,
-    whose every call goes to the engine (their MPI handles are null: nothing is local)."""
+    """The learner process's communicator and request: mpi4py's own types, so
+    ``isinstance`` holds, whose every call goes to the rank (their MPI handles are null:
+    nothing is local)."""
     MPI = _mpi()
 
     class Comm(MPI.Intracomm):
         def __new__(cls, *args: Any) -> Any:
             return super().__new__(cls)
 
-        def __init__(self, ln: _EngineLink | None, ref: int | None, rank: int, size: int
-                     ) -> None:
+        def __init__(self, ln: _Link | None, ref: int | None, rank: int, size: int) -> None:
             object.__setattr__(self, "_ln", ln)
             object.__setattr__(self, "_ref", ref)
             object.__setattr__(self, "_shape", (rank, size))
@@ -176,7 +187,7 @@ def _relay_classes() -> tuple[type, type]:
             return lambda *args, **kwargs: ln.call(ref, name, args, kwargs)
 
         def relay_counting(self, timeout: float) -> Any:
-            """A CountingComm of this communicator, held by the engine (trials.CountingComm)."""
+            """A CountingComm of this communicator, held by the rank (trials.CountingComm)."""
             ln = object.__getattribute__(self, "_ln")
             return ln.call(object.__getattribute__(self, "_ref"), "relay_counting",
                            (float(timeout),), {})
@@ -211,19 +222,14 @@ def _relay_classes() -> tuple[type, type]:
         def __new__(cls, *args: Any) -> Any:
             return super().__new__(cls)
 
-        def __init__(self, ln: _EngineLink, ref: int, views: list[np.ndarray]) -> None:
+        def __init__(self, ln: _Link, ref: int, views: list[np.ndarray]) -> None:
             self._ln, self._ref, self._views, self._done = ln, ref, views, False
 
         def _ask(self, method: str) -> Any:
             if self._done:
                 return (True, None) if method in ("test", "wait") else (
                     True if method == "Test" else None)
-            message = ("call", self._ref, method, (), {})
-            send_frame(self._ln.sock, pickle.dumps(message, protocol=PROTOCOL))
-            answer = pickle.loads(recv_frame(self._ln.sock))
-            if answer[0] == "raise":
-                raise _exception(answer[1], answer[2])
-            _, result, arrays = answer
+            _, result, arrays = self._ln.ask(("call", self._ref, method, (), {}))
             if arrays:
                 _write_back(self._views, arrays)
             if completed(result) and method != "Cancel":
@@ -277,25 +283,45 @@ def _relay_classes() -> tuple[type, type]:
     return Comm, Request
 
 
-RelayComm: Any = None  # the worker's classes, made by main() once mpi4py is imported
+RelayComm: Any = None  # the classes, made once mpi4py is imported
 RelayRequest: Any = None
 
 
+# ---------------------------------------------------------------- one exercise (a child)
+
 def _define(namespace: dict, code: str) -> tuple:
     try:
-        exec(compile(code, "<your cell>", "exec"), namespace)  # noqa: S102 - the learner's cell
+        exec(compile(code, "<your cell>", "exec"), namespace)  # the learner's cell
     except BaseException as exc:  # noqa: BLE001 - SystemExit too: it is the learner's error
         return ("error", type(exc).__name__, str(exc))
     return ("ok",)
 
 
-def _trial(ln: _EngineLink, payload: bytes, rank: int, size: int, wrank: int, wsize: int
-           ) -> tuple:
-    from pcourse.tools.grading import trials
+def _resolved(value: Any, namespace: dict) -> Any:
+    """``value`` with every :class:`~pcourse.tools.grading.wire.Learner` record replaced by
+    the learner's object of that name."""
+    if isinstance(value, Learner):
+        if value.name not in namespace:
+            raise NameError(f"name {value.name!r} is not defined: the exercise's cells must "
+                            "define it")
+        return namespace[value.name]
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(_resolved(v, namespace) for v in value)
+    if isinstance(value, dict):
+        return {k: _resolved(v, namespace) for k, v in value.items()}
+    return value
+
+
+def _trial(ln: _Link, namespace: dict, module: str, name: str, args: tuple, kwargs: dict,
+           rank: int, size: int, wrank: int, wsize: int) -> tuple:
+    from pcourse.tools.grading import trials, wire
 
     MPI = _mpi()
     try:
-        fn, args, kwargs = pickle.loads(payload)
+        if not module.startswith("pcourse.tools.grading."):
+            raise ValueError(f"{module} holds no trial")
+        fn = getattr(importlib.import_module(module), name)
+        args, kwargs = _resolved(args, namespace), _resolved(kwargs, namespace)
         trials._current = RelayComm(ln, 0, rank, size)
         MPI.COMM_WORLD = RelayComm(ln, 1, wrank, wsize)
         value = fn(*args, **kwargs)
@@ -305,82 +331,112 @@ def _trial(ln: _EngineLink, payload: bytes, rank: int, size: int, wrank: int, ws
         trials._current = None
         MPI.COMM_WORLD = RelayComm(ln, None, 0, 1)
     try:
-        return ("done", pickle.dumps(value, protocol=PROTOCOL))
-    except Exception as exc:  # noqa: BLE001 - what the learner's code returned
-        return ("error", type(exc).__name__, f"the result could not be sent back: {exc}", "")
+        return ("done", wire.dumps(value))
+    except TypeError as exc:
+        return ("error", "TypeError", f"the result could not be sent back: {exc}", "")
 
 
-CHECK_MODULES = ("pcourse.tools.grading.trials", "pcourse.tools.grading.refs")
-
-
-def _fresh(namespace: dict) -> None:
-    """An empty namespace for the next notebook's cells, and the checks' modules imported
-    afresh: what a learner's code patched in them does not outlive its notebook."""
-    import importlib
-
-    namespace.clear()
-    namespace.update({"__name__": "__main__", "__builtins__": __builtins__})
-    for name in CHECK_MODULES:
-        sys.modules.pop(name, None)
-    for name in CHECK_MODULES:
-        importlib.import_module(name)
-    sys.modules[CHECK_MODULES[0]].learner_namespace = namespace
-
-
-def main(path: str) -> None:
-    """The worker: listen once at ``path`` for this rank's engine, then do what it asks."""
+def serve(sock: socket.socket) -> None:
+    """One exercise: the learner's cells and the checks' trials, as the rank asks."""
     global RelayComm, RelayRequest
-    import mpi4py
-
-    mpi4py.rc.initialize = False  # no MPI here: every call goes to the engine
-    mpi4py.rc.finalize = False
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    if os.path.lexists(path):  # one a learner process never connected to left it
-        os.unlink(path)
-    server.bind(path)
-    server.listen(1)
-    sock, _ = server.accept()  # the engine's: nobody else may connect afterwards
-    server.close()
-    os.unlink(path)
     import pcourse.runtime.waits as waits
+    from pcourse.tools.grading import trials
 
     MPI = _mpi()
     RelayComm, RelayRequest = _relay_classes()
-    ln = _EngineLink(sock)
+    ln = _Link(sock)
     MPI.COMM_WORLD = RelayComm(ln, None, 0, 1)
     MPI.Request = RelayRequest
-    waits._rank = lambda: getattr(sys.modules[CHECK_MODULES[0]]._current, "rank", -1)
-    namespace: dict = {}
-    _fresh(namespace)
-
-    def reset() -> tuple:
-        sys.modules[CHECK_MODULES[0]].reset()
-        _fresh(namespace)
-        return ("ok",)
-
+    waits._rank = lambda: getattr(trials._current, "rank", -1)
+    namespace: dict = {"__name__": "__main__", "__builtins__": builtins}
     handlers: dict[str, Callable[..., tuple]] = {
         "define": lambda code: _define(namespace, code),
-        "trial": lambda *a: _trial(ln, *a), "reset": reset, "ping": lambda: ("ok",)}
+        "trial": lambda *a: _trial(ln, namespace, *a), "ping": lambda: ("ok",)}
     while True:
         try:
-            message = pickle.loads(recv_frame(sock))
+            message = receive(sock)
         except (EOFError, OSError):
             return
         try:
             answer = handlers[message[0]](*message[1:])
-        except Exception as exc:  # noqa: BLE001 - said to the engine, which gives this one up
+        except Exception as exc:  # noqa: BLE001 - said to the rank, which gives this one up
             answer = ("error", type(exc).__name__, str(exc))
-        send_frame(sock, pickle.dumps(answer, protocol=PROTOCOL))
+        send(sock, answer)
 
 
-def serve_all(paths: list[str]) -> None:
-    """:func:`main` for each of ``paths``: one process each (the ranks of a shared jail)."""
+# ---------------------------------------------------------------- the process (a zygote)
+
+# What an exercise's cells and trials import: imported once here, before any fork.
+WARM = ("numpy", "torch", "torch.distributed", "pcourse.backends", "pcourse.workloads.transformer",
+        "pcourse.tools.grading.trials", "pcourse.tools.grading.refs")
+
+
+def warm_up() -> None:
+    """What a process pays for once, paid here, before any fork: the modules an exercise
+    imports, and torch's first optimizer step and backward (seconds on a busy machine,
+    which each exercise's child would otherwise pay again)."""
+    import torch
+
+    for name in WARM:
+        importlib.import_module(name)
+    importlib.import_module("pcourse.tools.grading.refs").load_all()
+    weight = torch.zeros(2, requires_grad=True)
+    torch.nn.functional.gelu(weight * 2).sum().backward()
+    torch.optim.AdamW([weight]).step()
+
+
+def listen(path: str) -> None:
+    """Listen at ``path`` for this rank's connections: a fresh child for each (the one
+    before it killed first)."""
+    import mpi4py
+
+    mpi4py.rc.initialize = False  # no MPI here: every call goes to the rank
+    mpi4py.rc.finalize = False
+    warm_up()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    if os.path.lexists(path):
+        os.unlink(path)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(4)
+    child = 0
+    while True:
+        sock, _ = server.accept()
+        if child:
+            _kill(child)
+        child = os.fork()
+        if child == 0:
+            server.close()
+            die_with_parent()
+            os.setpgid(0, 0)  # its process group: killed whole when the next one comes
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            try:
+                serve(sock)
+            finally:
+                os._exit(0)
+        sock.close()
+
+
+def _kill(pid: int) -> None:
+    for target in (-pid, pid):
+        try:
+            os.kill(target, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def main(paths: list[str]) -> None:
+    """:func:`listen` for each of ``paths``: one process each (the ranks of a shared jail)."""
+    if len(paths) == 1:
+        listen(paths[0])
+        return
     children = []
     for path in paths:
         pid = os.fork()
         if pid == 0:
+            die_with_parent()
             try:
-                main(path)
+                listen(path)
             finally:
                 os._exit(0)
         children.append(pid)
@@ -389,4 +445,4 @@ def serve_all(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    serve_all(sys.argv[1:])
+    main(sys.argv[1:])

@@ -20,32 +20,21 @@ notebook and writes its file, as Gradescope's autograder script does per submiss
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
-import nbformat
-
-from pcourse.tools.grading import submission
+from pcourse.tools.grading import refs
 from pcourse.tools.grading.verdicts import Grade
 from pcourse.utils.io import atomic_write
 
 VISIBILITIES = ("visible", "hidden", "after_due_date", "after_published")  # Gradescope's
 # Folders under OUT; their "_" keeps a later `--class DIR` from taking them for learners.
 RESULTS, FEEDBACK = "_gradescope", "_feedback"
-_VERDICT = re.compile(r"^check (\d+)/(\d+) (.+): PASS$", re.M)
 
 
 def check_names(solution: Path) -> list[str]:
-    """What each check of an exercise verifies, from the verdicts its solution printed."""
-    nb = nbformat.read(solution, as_version=4)
-    names = []
-    for cell in (c for c in nb.cells if submission.CHECK_TAG in c.metadata.get("tags", [])):
-        text = "".join(o.get("text", "") for o in cell.get("outputs", [])
-                       if o.get("name") == "stdout")
-        m = _VERDICT.search(text)
-        names.append(f"check {m.group(1)}/{m.group(2)} {m.group(3)}" if m else
-                     f"check {len(names) + 1}")
-    return names
+    """What each check of an exercise verifies (:mod:`pcourse.tools.grading.refs`)."""
+    checks = refs.exercise(Path(solution).stem).CHECKS
+    return [f"check {i}/{len(checks)} {c.what}" for i, c in enumerate(checks, 1)]
 
 
 def results(g: Grade, names: list[str], visibility: str = "visible") -> dict:

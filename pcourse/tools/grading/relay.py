@@ -1,83 +1,61 @@
-"""The relay: under the grader, a learner's ranks reach MPI only through trusted engines.
+"""The relay, a rank's end: a learner's ranks reach MPI only through the grader's ranks.
 
 A check's evidence is often what the code sent (a ring's 2(p - 1) chunks, ZeRO's
 reduce-scatter and all-gather where DDP makes an allreduce). It must be taken where the
 learner's code cannot rewrite it, and the learner's ranks must have no way to talk but
-the one that is counted. So, under the grader, where bubblewrap jails learner code:
+the one that is counted. So, under the grader:
 
-- an engine (an MPI rank) runs only the course's code. Its learner process, a *worker*
-  (:mod:`pcourse.tools.grading.learner`), runs the learner's cells and the check's
-  trial, in a jail of its own
-  (:func:`pcourse.tools.grading.sandbox.start_workers`: its own PID, network, IPC and
-  mount namespaces, its own ``/tmp`` and ``/dev/shm``). It shares one unix socket with
-  its engine, and nothing with any other rank;
-- the trial's communicator in the worker is a
-  :class:`~pcourse.tools.grading.learner.RelayComm`. Each call goes over
-  the socket to the engine, which makes it on the real communicator through a
+- a rank (:mod:`pcourse.tools.grading.rank`, an MPI process) runs only the course's code.
+  Its learner process (:mod:`pcourse.tools.grading.learner`) runs the learner's cells and
+  the check's trial, in a jail of its own (:func:`pcourse.tools.grading.sandbox.start_workers`)
+  where there is bubblewrap. The two share one unix socket, and the learner process
+  nothing with any other rank;
+- the trial's communicator in the learner process is a ``RelayComm``. Each call goes over
+  the socket to the rank, which makes it on the real communicator through a
   :class:`~pcourse.tools.grading.trials.CountingComm` (deadlines, sends that block) and
   records it (:func:`serve`). Buffers travel both ways, so ``Recv`` fills the learner's
   array as MPI would;
-- the engine reads what a worker sends with the grader's data-only unpickler
-  (:func:`pcourse.tools.grading.data.safe_loads`), makes only the calls of an allowed
-  list, and checks every buffer's counts against its size. It hands the kernel its own
-  record of every call of the trial, and the kernel takes the trial's account of its
-  calls only where it is that record (:func:`pcourse.tools.grading.harness.run`).
+- every message is :mod:`~pcourse.tools.grading.wire` data, which cannot carry code: the rank
+  makes only the calls of an allowed list and checks every buffer's counts against its
+  size. It hands the grader its own record of every call of the trial, and the grader
+  takes the trial's account of its calls only where it is that record
+  (:func:`pcourse.tools.grading.checks.run`).
 """
 
 from __future__ import annotations
 
-import os
-import pickle
 import socket
 import struct
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-RELAY_ENV = "PCOURSE_RELAY_DIR"  # the engines': the folder of every rank's socket folder
-MAX_FRAME = 1 << 30  # bytes of one message from a worker
-CONNECT_TIMEOUT = 120.0  # seconds an engine waits for its worker (which imports torch) to listen
-GRACE = 10.0  # seconds an engine waits past the kernel's deadline before it gives up a worker
-ENGINE_DIED = ("an engine (an MPI process) died: did the code call os._exit or MPI's Abort, "
+from pcourse.tools.grading import wire
+from pcourse.tools.grading.wire import Call, Learner, Made, Mpi, Obj, Ref
+
+MAX_FRAME = 1 << 28  # bytes of one message
+CONNECT_TIMEOUT = 120.0  # seconds a rank waits for its learner process (which imports torch)
+GRACE = 10.0  # seconds a rank waits past the grader's deadline before it gives up a trial
+ENGINE_DIED = ("a rank (an MPI process) died: did the code call os._exit or MPI's Abort, "
                "or crash?")  # said of a learner process that died too: it was that rank
-PROTOCOL = 4  # pickle's: 5 sends arrays through numpy's _frombuffer, which safe_loads refuses
-
-
-class Mpi(NamedTuple):
-    """One of MPI's named constants: an op, a datatype, ``IN_PLACE``."""
-
-    name: str
-
-
-class Ref(NamedTuple):
-    """An object the engine holds for the worker: a communicator or a request."""
-
-    id: int
-
-
-class Made(NamedTuple):
-    """A communicator the engine made for the worker, and the worker's place in it."""
-
-    id: int
-    rank: int
-    size: int
-
-
-class Obj(NamedTuple):
-    """The object of a lowercase (pickle-based) call, pickled."""
-
-    data: bytes
 
 
 # ---------------------------------------------------------------- one socket, two ends
 
-def send_frame(sock: socket.socket, data: bytes) -> None:
+def send(sock: socket.socket, value: Any) -> None:
+    """``value`` as one frame of wire data."""
+    data = wire.dumps(value)
     sock.sendall(struct.pack("!Q", len(data)) + data)
 
 
-def recv_frame(sock: socket.socket, deadline: float | None = None) -> bytes:
+def receive(sock: socket.socket, deadline: float | None = None) -> Any:
+    """One frame's value; WireError if it is not wire data, EOFError if the other end left."""
+    return wire.loads(receive_frame(sock, deadline))
+
+
+def receive_frame(sock: socket.socket, deadline: float | None = None) -> bytes:
     (n,) = struct.unpack("!Q", _read(sock, 8, deadline))
     if n > MAX_FRAME:
         raise ConnectionError(f"a message of {n} bytes, over the relay's {MAX_FRAME}")
@@ -99,6 +77,21 @@ def _read(sock: socket.socket, n: int, deadline: float | None) -> bytes:
     return b"".join(chunks)
 
 
+def connect(path: Path, timeout: float = CONNECT_TIMEOUT) -> socket.socket:
+    """A connection to the unix socket at ``path``, retried until it listens or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(path))
+            return sock
+        except OSError:
+            sock.close()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listened at {path} within {timeout:g} s") from None
+            time.sleep(0.05)
+
+
 def _mpi() -> Any:
     from mpi4py import MPI
 
@@ -113,7 +106,7 @@ def constants() -> dict[str, Any]:
     return {**named, "IN_PLACE": MPI.IN_PLACE}
 
 
-# ---------------------------------------------------------------- the engine's end
+# ---------------------------------------------------------------- the rank's end
 
 COMM_METHODS = frozenset(("Free", "relay_counting", "calls", "left_behind"))
 REQUEST_METHODS = frozenset(("Test", "Wait", "Cancel", "test", "wait"))
@@ -127,17 +120,17 @@ def _comm_methods() -> frozenset[str]:
 
 
 class _Tamper(Exception):
-    """The worker sent what no honest trial sends."""
+    """The learner process sent what no honest trial sends."""
 
 
 class Link:
-    """This engine's connection to its worker, and what the worker may refer to."""
+    """This rank's connection to its learner process, and what that may refer to."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.objects: dict[int, Any] = {}  # Ref id -> CountingComm, or (request, buffers)
         self.kept: list[Any] = []  # requests left pending, communicators made: kept alive
-        self.broken = ""  # why this worker can take no more work, once it cannot
+        self.broken = ""  # why this learner process can take no more work, once it cannot
         self.next = 2  # the next Ref id (0: the trial's communicator, 1: its COMM_WORLD)
 
     def hold(self, obj: Any) -> int:
@@ -146,16 +139,13 @@ class Link:
         return self.next
 
     def ask(self, message: tuple, deadline: float) -> tuple:
-        """Send ``message``; the worker's answer, read as data only."""
-        send_frame(self.sock, pickle.dumps(message, protocol=PROTOCOL))
+        send(self.sock, message)
         return self.read(deadline)
 
     def read(self, deadline: float) -> tuple:
-        from pcourse.tools.grading.data import safe_loads
-
-        answer = safe_loads(recv_frame(self.sock, deadline))
+        answer = receive(self.sock, deadline)
         if not isinstance(answer, tuple) or not answer or not isinstance(answer[0], str):
-            raise _Tamper(f"the worker answered {type(answer).__name__}")
+            raise _Tamper(f"the learner process answered {type(answer).__name__}")
         return answer
 
 
@@ -163,41 +153,24 @@ _link: Link | None = None
 _world: Any = None  # a duplicate of COMM_WORLD: the learner's MPI.COMM_WORLD in a trial
 
 
-def active() -> bool:
-    """Does this engine hand learner code to a worker (the grader set up a relay)?"""
-    return bool(os.environ.get(RELAY_ENV))
-
-
 def link() -> Link:
-    """This engine's worker, connected the first time (it listens once, for this engine)."""
-    global _link
     if _link is None:
-        where = Path(os.environ[RELAY_ENV]) / str(_mpi().COMM_WORLD.rank) / "sock"
-        deadline = time.monotonic() + CONNECT_TIMEOUT
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(str(where))
-                break
-            except OSError:
-                sock.close()
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the learner's process never listened at {where}") \
-                        from None
-                time.sleep(0.05)
-        _link = Link(sock)
+        raise RuntimeError("no learner process: the grader opens one for each exercise")
     if _link.broken:
         raise RuntimeError(_link.broken)
     return _link
 
 
-def forget() -> None:
-    """Drop this engine's worker (the grader starts others, which it connects to when next
-    asked: their sockets are at the same paths)."""
-    global _link
+def open_link(path: Path) -> None:
+    """Connect to the learner process listening at ``path`` (a fresh one for each exercise),
+    and give the learner's ``MPI.COMM_WORLD`` a fresh world: a collective an earlier
+    exercise left unfinished on the old one would be matched by this one's."""
+    global _link, _world
     if _link is not None:
         _link.sock.close()
-    _link = None
+        _link = None
+    _world = _mpi().COMM_WORLD.Dup()  # every rank opens, together
+    _link = Link(connect(path))
 
 
 def _failed(rank: int | None, name: str, message: str) -> dict:
@@ -205,10 +178,10 @@ def _failed(rank: int | None, name: str, message: str) -> dict:
 
 
 def exchange(message: tuple, timeout: float) -> tuple:
-    """Send the worker ``message`` and wait for its answer (define, reset, ping).
+    """Send the learner process ``message`` and wait for its answer (define, ping).
 
-    ``("died",)`` when the worker is gone, ``("timeout",)`` when it did not answer in
-    time (it is then given up: still busy with learner code).
+    ``("died",)`` when it is gone, ``("timeout",)`` when it did not answer in time (it is
+    then given up: still busy with learner code).
     """
     try:
         ln = link()
@@ -224,20 +197,15 @@ def exchange(message: tuple, timeout: float) -> tuple:
         return ("died",)
 
 
-def world() -> Any:
-    """This engine's duplicate of COMM_WORLD, made by every engine together the first time."""
-    global _world
-    if _world is None:
-        _world = _mpi().COMM_WORLD.Dup()
-    return _world
+def serve(comm: Any, trial: tuple, timeout: float) -> dict:
+    """Run ``trial`` in the learner process, as rank ``comm.rank`` of ``comm``, making its MPI
+    calls.
 
-
-def serve(comm: Any, payload: bytes, timeout: float) -> dict:
-    """Run a trial in the worker, as rank ``comm.rank`` of ``comm``, making its MPI calls.
-
-    ``payload``: the kernel's pickle of ``(fn, args, kwargs)``, opened in the worker only.
-    Returns ``{"rank", "value": the worker's pickle of the result (opened by the kernel),
-    "calls": every call made, in order}`` or ``{"rank", "error": (name, message, where)}``.
+    ``trial``: ``(module, name, args, kwargs)``, the check's trial function by name and its
+    arguments (wire data; :class:`~pcourse.tools.grading.wire.Learner` records name the
+    learner's functions). Returns ``{"rank", "value": the learner process's wire bytes of
+    the result (read by the grader), "calls": every call made, in order}`` or ``{"rank",
+    "error": (name, message, where)}``.
     """
     from pcourse.tools.grading.trials import CountingComm
 
@@ -247,13 +215,12 @@ def serve(comm: Any, payload: bytes, timeout: float) -> dict:
     except RuntimeError as exc:
         return _failed(rank, "EngineError" if "died" in str(exc) else "RuntimeError", str(exc))
     log: list = []
-    ln.objects = {0: CountingComm(comm, log=log), 1: CountingComm(world(), log=log)}
-    w = world()
+    ln.objects = {0: CountingComm(comm, log=log), 1: CountingComm(_world, log=log)}
     deadline = time.monotonic() + timeout + GRACE
     try:
-        answer = ln.ask(("trial", payload, rank, comm.size, w.rank, w.size), deadline)
+        answer = ln.ask(("trial", *trial, rank, comm.size, _world.rank, _world.size), deadline)
         while answer[0] == "call":
-            send_frame(ln.sock, pickle.dumps(_perform(ln, answer), protocol=PROTOCOL))
+            send(ln.sock, _perform(ln, answer))
             answer = ln.read(deadline)
     except TimeoutError:
         ln.broken = "the learner's process is still busy with an earlier check"
@@ -261,7 +228,7 @@ def serve(comm: Any, payload: bytes, timeout: float) -> dict:
     except (EOFError, ConnectionError, OSError):
         ln.broken = "the learner's process died"
         return _failed(rank, "EngineError", ENGINE_DIED)
-    except Exception as exc:  # noqa: BLE001 - a garbled message: the worker is not ours now
+    except Exception as exc:  # noqa: BLE001 - a garbled message: the process is not ours now
         ln.broken = "the learner's process sent what no check sends"
         return _failed(rank, "TamperError", f"the learner's process sent what no check sends "
                        f"({type(exc).__name__}): did the code replace the checks' functions?")
@@ -278,18 +245,19 @@ def serve(comm: Any, payload: bytes, timeout: float) -> dict:
 
 
 def _perform(ln: Link, message: tuple) -> tuple:
-    """Make one call the worker asked for: ``("ok", result, buffers)`` or ``("raise", ...)``."""
+    """Make one call the learner process asked for: ``("ok", result, buffers)`` or
+    ``("raise", name, message)``."""
     try:
         _, ref, method, args, kwargs = message
         target = ln.objects.get(ref) if isinstance(ref, int) else None
         if target is None or not isinstance(method, str) or not isinstance(args, tuple) \
                 or not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-            raise _Tamper("a call of nothing the engine holds")
+            raise _Tamper("a call of nothing the rank holds")
         buffers: list[np.ndarray] = []
         args = tuple(_decode(ln, a, buffers) for a in args)
         kwargs = {k: _decode(ln, v, buffers) for k, v in kwargs.items()}
         if isinstance(target, tuple):
-            result = _request_call(target, method, args)
+            result = _request_call(target, method)
             return ("ok", result, list(target[1]) if completed(result) else [])
         return _comm_call(ln, target, method, args, kwargs, buffers)
     except _Tamper:
@@ -304,7 +272,7 @@ def completed(result: Any) -> bool:
 
 def _comm_call(ln: Link, comm: Any, method: str, args: tuple, kwargs: dict,
                buffers: list[np.ndarray]) -> tuple:
-    from pcourse.tools.grading.trials import Call, CountingComm
+    from pcourse.tools.grading.trials import CountingComm
 
     if method not in _comm_methods():
         raise AttributeError(f"comm.{method} is not among the MPI calls the grader makes for "
@@ -333,7 +301,7 @@ def _comm_call(ln: Link, comm: Any, method: str, args: tuple, kwargs: dict,
         ln.kept.append(result)
         return ("ok", _hold(ln, CountingComm(result, log=comm._log)), buffers)
     if method[0].islower() and method != "Free":
-        return ("ok", Obj(pickle.dumps(result, protocol=PROTOCOL)), buffers)
+        return ("ok", Obj(result), buffers)
     return ("ok", None, buffers)
 
 
@@ -341,7 +309,7 @@ def _hold(ln: Link, counter: Any) -> Made:
     return Made(ln.hold(counter), counter._comm.Get_rank(), counter._comm.Get_size())
 
 
-def _request_call(held: tuple, method: str, args: tuple) -> Any:
+def _request_call(held: tuple, method: str) -> Any:
     from pcourse.tools.grading import trials
 
     request, _ = held
@@ -362,7 +330,7 @@ def _request_call(held: tuple, method: str, args: tuple) -> Any:
     while True:
         flag, obj = request.test()
         if flag or method == "test":
-            return (bool(flag), Obj(pickle.dumps(obj, protocol=PROTOCOL)) if flag else None)
+            return (bool(flag), Obj(obj) if flag else None)
         if time.monotonic() > deadline:
             raise trials.DeadlockError(f"{what} waited {trials.OP_TIMEOUT:g} s and never "
                                        f"completed. {hint}")
@@ -370,9 +338,9 @@ def _request_call(held: tuple, method: str, args: tuple) -> Any:
 
 
 def _decode(ln: Link, value: Any, buffers: list[np.ndarray], depth: int = 0) -> Any:
-    """A worker's argument, rebuilt: constants by name, arrays as fresh buffers."""
-    from pcourse.tools.grading.data import refusals, safe_loads
-
+    """A learner process's argument: constants by name, communicators by Ref, arrays as
+    buffers (handed back after the call), the objects of pickle-based calls as they are
+    (wire data is plain data)."""
     if depth > 4:
         raise _Tamper("arguments nested too deep")
     if isinstance(value, Mpi):
@@ -386,17 +354,12 @@ def _decode(ln: Link, value: Any, buffers: list[np.ndarray], depth: int = 0) -> 
             raise ValueError("a communicator this rank does not hold (freed, or another's)")
         return held
     if isinstance(value, Obj):
-        obj = safe_loads(value.data)
-        refused = refusals(obj)
-        if refused:
-            raise TypeError(f"under the grader, MPI's pickle-based calls carry plain data only "
-                            f"(numbers, strings, lists, dicts, arrays, tensors), not a {refused}")
-        return obj
+        return value.value
     if isinstance(value, np.ndarray):
-        if value.dtype.hasobject:
-            raise TypeError("an array of Python objects is not a buffer MPI can send")
         buffers.append(value)
         return value
+    if isinstance(value, Learner | Call | Made):
+        raise _Tamper(f"a {type(value).__name__} is no argument of an MPI call")
     if isinstance(value, list | tuple):
         return type(value)(_decode(ln, v, buffers, depth + 1) for v in value)
     if value is None or isinstance(value, bool | int | float | str):
@@ -408,7 +371,7 @@ def _check_message(spec: Any) -> None:
     """Refuse a message whose counts or displacements reach past its buffer.
 
     mpi4py trusts explicit counts; MPI would then read or write past the array, in the
-    engine. Counts are in the datatype's units, which must be the array's item size.
+    rank. Counts are in the datatype's units, which must be the array's item size.
     """
     MPI = _mpi()
     if not isinstance(spec, list | tuple) or not spec or not isinstance(spec[0], np.ndarray):
@@ -435,44 +398,13 @@ def _check_message(spec: Any) -> None:
         raise ValueError("a message is [array, counts, displacements, datatype] at most")
 
 
-def relay_trial(ranks: int, payload: bytes, timeout: float) -> dict | None:
-    """``trials.on_ranks`` under the grader's relay: the trial runs in this engine's
-    learner process, and this engine makes (and records) its MPI calls (:func:`serve`)."""
+def trial(ranks: int, spec: tuple, timeout: float) -> dict | None:
+    """A check's trial at ``ranks`` ranks (on every rank of the job): run in this rank's
+    learner process, which this rank makes (and records) the MPI calls of (:func:`serve`)."""
     from pcourse.tools.grading.trials import subworld
 
-    world()  # made by every engine together, inside the world or not
-    sub = subworld(ranks)
+    sub = subworld(ranks)  # every rank, inside the trial's world or not
     if sub == _mpi().COMM_NULL:
         return None
-    return serve(sub.Dup(), payload, timeout)  # a fresh context: a failed trial's messages
-    #                                            stay on the old one
-
-
-def relay_define(code: str, timeout: float) -> tuple:
-    """Run a learner's cell in this engine's learner process: ``("ok",)``, ``("error", name,
-    message)``, ``("timeout",)`` or ``("died",)``."""
-    return exchange(("define", code), timeout)
-
-
-def health(timeout: float = 5.0) -> bool:
-    """Do all engines answer together through MPI, and each its learner process? (On every
-    engine.)"""
-    from pcourse.tools.grading import trials
-
-    return trials.health(timeout) and (not active() or exchange(("ping",), timeout) == ("ok",))
-
-
-def reset() -> None:
-    """:func:`~pcourse.tools.grading.trials.reset` on an engine, and its learner process's
-    (namespace, the checks' modules: see :mod:`pcourse.tools.grading.learner`)."""
-    from pcourse.tools.grading import trials
-
-    global _world
-    trials.reset()
-    if active():
-        # a fresh world for the learner's MPI.COMM_WORLD: a collective an earlier notebook left
-        # unfinished on the old one would be matched by this notebook's (every engine is here)
-        _world = _mpi().COMM_WORLD.Dup()
-        answer = exchange(("reset",), 30.0)
-        if answer != ("ok",):
-            raise RuntimeError(f"the learner's process did not reset: {answer[0]}")
+    return serve(sub.Dup(), spec, timeout)  # a fresh context: a failed trial's messages
+    #                                          stay on the old one

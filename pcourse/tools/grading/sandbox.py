@@ -1,22 +1,24 @@
 """The jail a graded learner's code runs in: bubblewrap, an unprivileged id, a seccomp filter.
 
-The grader's engines (and ``mpiexec``, and anything they start) run inside
-:func:`prefix`, and each engine's learner process (:func:`start_workers`) in a jail of
-the same kind of its own, which
+A learner's grading job (:mod:`pcourse.tools.grading.job`: its MPI ranks, ``mpiexec`` and
+anything they start) runs inside :func:`prefix`, and each rank's learner process
+(:func:`start_workers`) in a jail of the same kind of its own, which
 
 - maps them to an unprivileged id (as root: bubblewrap keeps CAP_SETUID and CAP_SETGID
   only long enough for ``setpriv`` to become uid/gid :data:`UID` with no groups; as an
   ordinary user: a user namespace of bubblewrap's, uid :data:`UID` inside, the user's
   own id outside), with no capabilities and ``no_new_privs``;
 - gives them namespaces of their own: mount, PID (they see and signal only each
-  other; all die with bubblewrap), network (a loopback of their own: they reach the
-  controller through a unix socket, ipyparallel's ``ipc://`` transport), IPC, UTS;
+  other; all die with bubblewrap), network (a loopback of their own: the ranks reach the
+  grader, and each learner process its rank, through a unix socket), IPC, UTS;
+- gives them an environment of their own: none of the grader's variables, only what
+  Python and MPI need (:func:`pcourse.tools.grading.job._environment`);
 - shows them a root of their own: read-only, the system's programs and libraries,
   a few files of ``/etc`` (not ``shadow``), the Python and the venv, the taught
   package (``pcourse/`` alone: no ``solutions/``, ``tests/``, ``.git``, no other
-  learner, no output folder, no kernel's connection file); writable, a private
+  learner, no output folder, no file of the grader's); writable, a private
   ``/tmp`` and ``/dev/shm`` (size-limited tmpfs, gone with them) and the folder of
-  the controller's engine sockets;
+  the sockets they listen or connect at;
 - filters system calls (:func:`seccomp_program`, a classic BPF program written
   here: no new dependency): mount and its kin, ``umount``, ``pivot_root``,
   ``chroot``, ``ptrace``, ``setns``, ``unshare`` and ``clone`` of any new namespace,
@@ -27,9 +29,10 @@ the same kind of its own, which
   the grader may make cgroups, under limits of the jail as a whole
   (:data:`CGROUP_LIMITS`: memory, processes).
 
-Where bubblewrap is missing (:func:`available` says why) the grader falls back to
-the weaker containment of :func:`pcourse.tools.cluster.launch.containment`, and
-every row it grades says so (:func:`pcourse.tools.grading.grade._isolation_notes`).
+Where bubblewrap is missing (:func:`available` says why) the class grader refuses to
+run; a learner grading their own notebooks, and Gradescope's autograder (whose container
+is the jail), run the same job unjailed, and every row says so
+(:func:`pcourse.tools.grading.grade.isolation_notes`).
 """
 
 from __future__ import annotations
@@ -46,19 +49,17 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pcourse.tools.grading.relay import RELAY_ENV
-
 UID = 65534  # nobody: the id learner code runs as
 # rlimits of every process in the jail. Processes count every thread of the jail's
 # uid on the machine, every worker's jail together (as an ordinary user: all the
 # user's, so it is added to what runs now); torch starts a thread per core in each
-# engine, hence per core. Memory is address space per process (torch reserves a few
+# learner process, hence per core. Memory is address space per process (torch reserves a few
 # GiB); CPU seconds per process, for all of one learner's notebooks.
 LIMITS = {"nproc": max(1024, 256 * (os.cpu_count() or 1)), "as": 16 << 30,
           "fsize": 256 << 20, "cpu": 1800, "core": 0}
-# And of each jail as a whole (one learner's cluster: its engines, mpiexec, everything
+# And of each jail as a whole (one learner's job: its ranks, mpiexec, everything
 # they start), where the machine lets the grader make cgroups (:func:`cgroups`): memory
-# (tmpfs pages included: /tmp, /dev/shm) and processes (threads count). Four engines
+# (tmpfs pages included: /tmp, /dev/shm) and processes (threads count). Four ranks
 # with torch need a small part of either.
 CGROUP_LIMITS = {"memory": 8 << 30, "pids": 4096}
 CGROUP_FILES = {1: {"memory": "memory.limit_in_bytes", "pids": "pids.max"},
@@ -157,7 +158,7 @@ def _package() -> Path:
 
 
 def _pythons() -> list[Path]:
-    """What the engines' Python needs: the venv, its base Python, the executable's folder."""
+    """What the jail's Python needs: the venv, its base Python, the executable's folder."""
     found = {Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).resolve().parents[1]}
     return sorted(p.resolve() for p in found)
 
@@ -199,19 +200,19 @@ def parents(paths: Sequence[Path]) -> list[str]:
 
 
 def prefix(folder: Path, sockets: Path, filter_file: Path, extra: Sequence[Path] = (),
-           groups: Sequence[Path] = (), relay: Path | None = None) -> list[str]:
-    """The command that runs the engines' ``mpiexec ...`` (appended to it) in the jail.
+           groups: Sequence[Path] = (), relay: Path | None = None,
+           env: dict[str, str] | None = None) -> list[str]:
+    """The command that runs a job's ``mpiexec ...`` (appended to it) in the jail.
 
-    ``folder`` is the cluster's own (its profile: the engines are told its path and find
-    an empty, writable folder there), ``sockets`` the controller's engine sockets (with
-    ``relay``, the folder of the learner processes' sockets: the only folders of the
-    machine the jail may write), ``filter_file`` where the seccomp program is written
-    (outside the jail's view), ``extra`` more read-only folders (``mpiexec``'s, where it is
-    not in the venv), ``groups`` the cgroups every process of the jail belongs to (the
-    first process joins them; its children are born in them).
+    ``folder`` is the job's own (the jail finds an empty, writable folder there),
+    ``sockets`` the grader's socket's folder (with ``relay``, the folder of the learner
+    processes' sockets: the only folders of the machine the jail may write),
+    ``filter_file`` where the seccomp program is written (outside the jail's view),
+    ``extra`` more read-only folders (``mpiexec``'s, where it is not in the venv),
+    ``groups`` the cgroups every process of the jail belongs to (the first process joins
+    them; its children are born in them), ``env`` its whole environment.
     """
     binds = [sockets] if relay is None else [sockets, relay]
-    env = {} if relay is None else {RELAY_ENV: str(relay)}
     return _jailed(binds, filter_file, extra, groups, tmpfs=folder, env=env)
 
 
@@ -219,7 +220,8 @@ def _jailed(binds: Sequence[Path], filter_file: Path, extra: Sequence[Path] = ()
             groups: Sequence[Path] = (), tmpfs: Path | None = None,
             env: dict[str, str] | None = None) -> list[str]:
     """The command that runs a command (appended to it) in a jail of its own: ``binds`` the
-    only folders it may write, ``tmpfs`` an empty one of its own, ``env`` set in it."""
+    only folders it may write, ``tmpfs`` an empty one of its own, ``env`` its environment
+    (given: nothing else of the grader's; else the grader's own)."""
     program = seccomp_program()
     if program is None or bwrap() is None:
         raise RuntimeError(available()[1])
@@ -237,6 +239,7 @@ def _jailed(binds: Sequence[Path], filter_file: Path, extra: Sequence[Path] = ()
             "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             *view(extra), *parents([*([] if tmpfs is None else [tmpfs]), *binds]), *own,
             *[a for b in binds for a in ("--bind", str(b), str(b))], "--chdir", "/tmp",
+            *(["--clearenv"] if env is not None else []),
             *[a for k, v in (env or {}).items() for a in ("--setenv", k, v)],
             "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp", "--seccomp", "9"]
     if os.geteuid() == 0:  # become nobody (setpriv), then nothing can be regained
@@ -266,45 +269,25 @@ def _my_threads() -> int:
     return count
 
 
-def jail(folder: Path) -> dict[str, list[str]]:
-    """What :func:`pcourse.tools.cluster.start_cluster` needs to start a cluster in the jail.
+def start_workers(folder: Path, n: int, apart: bool = True,
+                  env: dict[str, str] | None = None) -> list[Any]:
+    """The learner processes of the job in ``folder``: one per rank, each in a jail of its
+    own (:mod:`pcourse.tools.grading.relay`), in the job's cgroups, with environment ``env``.
 
-    The controller runs outside, as the grader, with no task database (ipyparallel's
-    NoDB: nothing of an earlier notebook to read) and its engine sockets in
-    ``folder/sockets``, a folder the jail may write (:mod:`pcourse.tools.grading.controller`
-    creates them so that ``nobody`` may connect; ``folder`` itself is the grader's alone). Its
-    connection files stay in ``folder/security``, which the jail never sees.
-    """
-    sockets, relay = Path(folder) / "sockets", Path(folder) / "relay"
-    for d in (sockets, relay):
-        d.mkdir(mode=0o755, exist_ok=True)
-        os.chmod(d, 0o777)
-    return {"prefix": prefix(folder, sockets, Path(folder) / "seccomp.bpf",
-                             groups=cgroups(folder), relay=relay),
-            "controller_cmd": [sys.executable, "-m", "pcourse.tools.grading.controller"],
-            "controller_args": ["--nodb", "--IPController.engine_transport=ipc",
-                                f"--IPController.engine_ip={sockets / 'e'}"]}
-
-
-def start_workers(folder: Path, n: int, apart: bool = True) -> list[Any]:
-    """The learner processes of the jailed cluster in ``folder``: one per engine, each in a
-    jail of its own (:mod:`pcourse.tools.grading.relay`), in the cluster's cgroups.
-
-    Worker k may write only ``folder/relay/k``, where it listens for engine k: it shares
-    no ``/tmp``, ``/dev/shm``, network, IPC or process with the engines or another rank.
-    Not ``apart``, the n workers share one jail (a network, for an exercise whose ranks
-    open sockets to each other), still apart from the engines.
+    Learner process k may write only ``folder/relay/k``, where it listens for rank k: it
+    shares no ``/tmp``, ``/dev/shm``, network, IPC or process with the ranks or another
+    learner process. Not ``apart``, the n share one jail (a network, for an exercise whose
+    ranks open sockets to each other: ``folder/relay/net-k``), still apart from the ranks.
     """
     relay = Path(folder) / "relay"
-    groups = [g for g in (parent / _cgroup_name(folder) for parent, _ in _cgroup_parents())
-              if g.is_dir()]  # those jail() made for the engines
-    owns = [relay / str(k) for k in range(n)]
+    groups = cgroups(folder, fresh=False)
+    owns = [relay / (str(k) if apart else f"net-{k}") for k in range(n)]
     for own in owns:
         own.mkdir(mode=0o755, exist_ok=True)
         os.chmod(own, 0o777)
     workers = []
     for k, mine in enumerate([[o] for o in owns] if apart else [owns]):
-        command = [*_jailed(mine, Path(folder) / "seccomp.bpf", groups=groups),
+        command = [*_jailed(mine, Path(folder) / "seccomp.bpf", groups=groups, env=env),
                    sys.executable, "-m", "pcourse.tools.grading.learner",
                    *(str(o / "sock") for o in mine)]
         workers.append(subprocess.Popen(command, stdin=subprocess.DEVNULL,
@@ -317,7 +300,7 @@ def _worker_log(folder: Path, k: int) -> Any:
     where = os.environ.get("PCOURSE_RELAY_LOG")
     if not where:
         return subprocess.DEVNULL
-    return open(Path(where) / f"{Path(folder).name}-{k}.log", "ab")  # noqa: SIM115
+    return open(Path(where) / f"{Path(folder).name}-{k}.log", "ab")  # noqa: SIM115 - the child's
 
 
 def stop_workers(workers: Sequence[Any], timeout: float = 30.0) -> None:
@@ -387,12 +370,16 @@ def _cgroup_name(folder: Path) -> str:
     return f"pcourse-{Path(folder).name}"
 
 
-def cgroups(folder: Path) -> list[Path]:
-    """Fresh cgroups for the jail of ``folder``, limited to :data:`CGROUP_LIMITS`; [] where
-    the machine has none this process may make (rlimits alone bound the jail then)."""
+def cgroups(folder: Path, fresh: bool = True) -> list[Path]:
+    """The cgroups of the jails of ``folder``, limited to :data:`CGROUP_LIMITS`: made afresh
+    (``fresh``), else those made before, or made now if there are none; [] where the machine
+    has none this process may make (rlimits alone bound the jail then)."""
     made = []
     for parent, files in _cgroup_parents():
         group = parent / _cgroup_name(folder)
+        if not fresh and group.is_dir():
+            made.append(group)
+            continue
         _remove(group)  # one left empty by a grader that died
         try:
             group.mkdir()
@@ -411,8 +398,8 @@ def release(folder: Path | None = None, owner: int | None = None, timeout: float
     by default this one, made), killing what is left in them first (nothing, after
     :func:`end`). RuntimeError after ``timeout``."""
     deadline = time.monotonic() + timeout
-    # a cluster's folder is named for the process that started it (engines._new_folder)
-    name = _cgroup_name(folder or Path(f"pcourse-cluster-{owner or os.getpid()}-*"))
+    # a job's folder is named for the process that started it (job.Job)
+    name = _cgroup_name(folder or Path(f"pcourse-grade-{owner or os.getpid()}-*"))
     for parent, _ in _cgroup_parents():
         for group in parent.glob(name):
             while not _remove(group):
@@ -446,27 +433,8 @@ def _remove(group: Path) -> bool:
 
 # ---------------------------------------------------------------- waiting for the jail to end
 
-def namespaces(mc: Any) -> set[int]:
-    """The PID namespaces of a jailed cluster's MPI jobs (their ``/proc/PID/ns/pid`` inodes).
-
-    bubblewrap (the launcher's process) forks the jail's first process; its namespace
-    holds everything learner code can start.
-    """
-    import psutil
-
-    found = set()
-    for launcher in list(mc.cluster.engines.values()):
-        pid = getattr(launcher, "pid", None)
-        try:
-            for child in psutil.Process(pid).children() if pid else []:
-                found.add(os.stat(f"/proc/{child.pid}/ns/pid").st_ino)
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
 def end(spaces: set[int], folder: Path, timeout: float = 30.0) -> None:
-    """End the jail of the cluster in ``folder``: kill every process left in ``spaces`` (its
+    """End the jails of the job in ``folder``: kill every process left in ``spaces`` (their
     PID namespaces), wait until none is left, and remove its cgroups (:func:`release`).
 
     Killing bubblewrap kills the jail's first process, but bubblewrap's init waits for
@@ -484,11 +452,21 @@ def end(spaces: set[int], folder: Path, timeout: float = 30.0) -> None:
 
 
 def _members(spaces: set[int]) -> list[int]:
+    """The live processes of the PID namespaces ``spaces``: a zombie has ended (its parent,
+    this process where it adopted orphans, reaps it here)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if os.stat(f"/proc/{pid}/ns/pid").st_ino in spaces:
-                found.append(int(pid))
+            if os.stat(f"/proc/{pid}/ns/pid").st_ino not in spaces:
+                continue
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
         except OSError:
             continue
+        if state[0] != "Z":
+            found.append(int(pid))
+        elif int(state[1]) == os.getpid():
+            try:
+                os.waitpid(int(pid), os.WNOHANG)
+            except ChildProcessError:
+                pass
     return found

@@ -1,10 +1,10 @@
-"""A learner's notebook, rebuilt from the solution: only the learner's cells are theirs.
+"""A learner's notebook, read as text: only the learner's cells are theirs, and never run here.
 
 A notebook a learner hands in carries everything a grader must not trust: check
 cells they may have edited, outputs they saved (``FAIL`` lines included), tags
 that decide which cells count as theirs. So the grader keeps only the source of
-the cells the exercise marks as the learner's (tag ``exercise``) and takes every
-other cell, source and expected output, from ``solutions/``:
+the cells the exercise marks as the learner's (tag ``exercise``); the checks are the
+course's own (:mod:`pcourse.tools.grading.refs`), and nothing else of the file is read:
 
 - :func:`read` turns a file into a notebook, or says why it is not one;
 - :func:`compare` checks that the cells still line up with the exercise (none
@@ -12,21 +12,15 @@ other cell, source and expected output, from ``solutions/``:
 - :func:`tampering` reads the learner's cells (never runs them) for code that
   reaches for the checks: rebinding a name the checks use, patching a module,
   ``exec``, ``globals()``, magics, the course's own solutions;
-- :func:`prepare` does all three and returns the notebook to run.
-
-The learner's cells never run in the kernel that prints the verdicts: each becomes
-a cell that runs it on the engines (:func:`pcourse.tools.grading.harness.define`) and binds
-the names the exercise defines to stand-ins. The static reading is backed at run
-time as well: the grader adds a hidden cell after the setup that notes what the
-checks' names are bound to, and one before the first check that fails the notebook
-if any changed (:func:`pcourse.tools.grading.harness.remember`).
+- :func:`learner_code` does all three and returns the code to run: the setup's imports
+  (not the course's), then the learner's cells, which run in the learner's processes
+  only (:mod:`pcourse.tools.grading.learner`).
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
-import copy
 import json
 import os
 import stat
@@ -39,9 +33,6 @@ from pcourse.tools.grading.exercises import generate
 
 EXERCISE_TAG = "exercise"
 CHECK_TAG = "check"
-HIDDEN = "pcourse-grader"  # metadata key of the cells the grader adds
-LEARNER_SOURCE = "pcourse-learner-source"  # metadata: the learner's code a define cell runs
-CLUSTER_NAME = "mc"  # what every exercise's setup calls its cluster
 
 # Names and modules that let code reach past the exercise into the checks.
 FORBIDDEN_NAMES = {"globals", "locals", "vars", "setattr", "delattr", "exec", "eval", "compile",
@@ -67,12 +58,10 @@ class Rejected(Exception):
 
 
 @dataclass
-class Runnable:
-    """The notebook the grader runs, and what its check cells must print."""
+class Code:
+    """What the grader runs of a notebook: the setup's imports, then the learner's cells."""
 
-    notebook: nbformat.NotebookNode
-    checks: dict[int, str]  # cell index -> the output the solution printed
-    learner: list[int]  # cell indices of the learner's code
+    codes: list[str]
     notes: list[str] = field(default_factory=list)  # edits the grader undid
 
 
@@ -182,13 +171,13 @@ def compare(submission: nbformat.NotebookNode, exercise: nbformat.NotebookNode) 
     return mine
 
 
-def prepare(submission: nbformat.NotebookNode, solution: nbformat.NotebookNode,
-            name: str = "notebook") -> Runnable:
-    """The code cells to run: the solution's setup, the learner's code, the solution's checks.
+def learner_code(submission: nbformat.NotebookNode, solution: nbformat.NotebookNode,
+                 name: str = "notebook") -> Code:
+    """The code to run: the setup's imports (not the course's), then the learner's cells.
 
-    Cells after the setup that are neither the learner's nor checks (a timing cell,
-    stopping the cluster) are left out: they grade nothing. Two hidden cells are
-    added, around the learner's code, to notice a check's name rebound at run time.
+    Rejected("tampered") for cells that do not line up with the exercise's or code that
+    reaches for the checks; an edited cell that is not the learner's is noted (and is the
+    course's own: the checks never read the file's).
     """
     exercise = generate(solution, name)
     given = compare(submission, exercise)
@@ -205,10 +194,8 @@ def prepare(submission: nbformat.NotebookNode, solution: nbformat.NotebookNode,
             setup.append(cell.source)
     notes = [f"{'cell' if len(edited) == 1 else 'cells'} {', '.join(map(str, edited))} "
              "edited; graded with the course's own"] if edited else []
-    checks = [i for i, c in enumerate(solution.cells) if CHECK_TAG in _tags(c)]
-    if not learner or not checks:
-        raise ValueError(f"{name}: the solution has no cell tagged {EXERCISE_TAG!r} or "
-                         f"{CHECK_TAG!r}")
+    if not learner:
+        raise ValueError(f"{name}: the solution has no cell tagged {EXERCISE_TAG!r}")
     try:
         problems = tampering([given[i].source for i in learner], setup,
                              [solution.cells[i].source for i in learner], learner)
@@ -217,57 +204,15 @@ def prepare(submission: nbformat.NotebookNode, solution: nbformat.NotebookNode,
     if problems:
         raise Rejected("tampered", "; ".join(problems[:3]) + ". A YOUR CODE cell may only "
                                    "define the exercise's functions (and helpers of your own)")
-    names, imports = set(), []
-    for source in setup:
-        tree = ast.parse(_python(source))
-        names |= set(_bindings(tree))
-        imports += [ast.unparse(n) for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)
-                    and not _imports_course(n)]
-    if CLUSTER_NAME not in names:
-        raise ValueError(f"{name}: the setup binds no cluster named {CLUSTER_NAME!r}")
-    guard = f"import pcourse.tools.grading.harness as _pcourse_checks\n" \
-        f"_pcourse_checks.{{}}(globals(), " \
-            f"{sorted(names)!r})"
-    run = Runnable(nbformat.v4.new_notebook(metadata=copy.deepcopy(solution.metadata)), {}, [],
-                   notes)
-    cells = run.notebook.cells
-    cells += [nbformat.v4.new_code_cell(source) for source in setup]
-    cells.append(_hidden(guard.format("remember")))
-    for i in learner:
-        run.learner.append(len(cells))
-        cells.append(_on_engines(given[i].source, sorted(_bindings(ast.parse(_python(
-            solution.cells[i].source)))), "\n".join(imports)))
-    cells.append(_hidden(guard.format("unchanged")))
-    for i in checks:
-        run.checks[len(cells)] = _stdout(solution.cells[i])
-        cells.append(nbformat.v4.new_code_cell(solution.cells[i].source))
-    return run
+    imports = [ast.unparse(n) for source in setup for n in ast.parse(_python(source)).body
+               if isinstance(n, ast.Import | ast.ImportFrom) and not _imports_course(n)]
+    return Code(["\n".join(imports), *(given[i].source for i in learner)], notes)
 
 
 def _imports_course(node: ast.Import | ast.ImportFrom) -> bool:
     modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in
                                                                             node.names]
     return any(m.split(".")[0] == "pcourse" for m in modules)
-
-
-def _on_engines(source: str, names: list[str], imports: str) -> nbformat.NotebookNode:
-    """A cell that runs a learner's ``source`` on the engines and binds ``names`` to stand-ins."""
-    cell = nbformat.v4.new_code_cell(
-        "import pcourse.tools.grading.harness as _pcourse_checks\n"
-        f"_pcourse_checks.define({CLUSTER_NAME}, {source!r}, {names!r}, globals(), {imports!r})")
-    cell.metadata[LEARNER_SOURCE] = source
-    return cell
-
-
-def _hidden(source: str) -> nbformat.NotebookNode:
-    cell = nbformat.v4.new_code_cell(source)
-    cell.metadata[HIDDEN] = True
-    return cell
-
-
-def _stdout(cell: nbformat.NotebookNode) -> str:
-    return "".join(o.get("text", "") for o in cell.outputs
-                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
 
 
 # ---------------------------------------------------------------- reading code, not running it

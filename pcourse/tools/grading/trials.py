@@ -1,11 +1,11 @@
-"""What a learner's function meets on the engines during a check: a communicator of a
-chosen size that records every call and never hangs.
+"""What a learner's function meets during a check (on their engines, or under the grader
+on its ranks): a communicator of a chosen size that records every call and never hangs.
 
 Three things make a check honest about MPI code, and they live here:
 
 - **Any world size from one cluster.** :func:`on_ranks` runs a trial on a
-  sub-communicator of ``ranks`` engines, numbered in *reverse* world order, so a
-  check at 2 ranks and one at 3 share one cluster of 3 engines, and code that
+  sub-communicator of ``ranks`` ranks, numbered in *reverse* world order, so a
+  check at 2 ranks and one at 3 share one job of 3 ranks, and code that
   quietly uses ``MPI.COMM_WORLD`` instead of the ``comm`` it was given gets the
   wrong ranks and shows it.
 - **Blocking sends that really block.** MPI lets ``Send`` return before the
@@ -16,33 +16,25 @@ Three things make a check honest about MPI code, and they live here:
   message size, so such a ring fails every time.
 - **A deadline on every wait.** Each blocking call is made as its nonblocking twin
   and polled until :data:`OP_TIMEOUT`; a rank that waits longer raises
-  :class:`DeadlockError` saying what it waited for, instead of leaving the engines
-  stuck for the next check (and, in a class, for the next learner).
+  :class:`DeadlockError` saying what it waited for, instead of leaving the ranks
+  stuck for the next check.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from pcourse.runtime.waits import CollectiveTimeout
+from pcourse.tools.grading import wire
+from pcourse.tools.grading.wire import Call  # noqa: F401 - the checks' record of a call
 
 OP_TIMEOUT = 5.0  # seconds one MPI call may wait for its partners: more than a correct one needs
 
 _HERE = str(Path(__file__).resolve().parent)
-
-
-class Call(NamedTuple):
-    """One communicator call, as a check sees it."""
-
-    name: str  # the method called, e.g. "Sendrecv"
-    count: int  # numbers in the buffer it sent (or received, for a receive)
-    peer: int | None  # dest of a send, source of a receive, root of a rooted collective
 
 
 class DeadlockError(CollectiveTimeout):
@@ -78,7 +70,7 @@ class CountingComm:
     CountingComms (a trial's calls in order, whichever communicator made them).
 
     Made of a learner process's communicator under the grader (a
-    :class:`~pcourse.tools.grading.relay` one), it is made and kept by the engine, where
+    :mod:`~pcourse.tools.grading.relay` one), it is made and kept by the rank, where
     the calls are made: what the learner's process holds only asks it.
     """
 
@@ -236,8 +228,8 @@ COLLECTIVE_MAKERS = tuple(m for m in MAKERS if m != "Create_group")  # every ran
 def reports_calls(trial: Callable) -> Callable:
     """Mark a trial whose result holds the calls it made (CountingComm.calls), in order.
 
-    Under the grader's relay the kernel then takes its result only if those calls are the
-    engine's own record of the trial's (:func:`pcourse.tools.grading.harness.run`).
+    Under the grader the result is then taken only if those calls are the rank's own
+    record of the trial's (:func:`pcourse.tools.grading.checks.run`).
     """
     trial.reports_calls = True  # type: ignore[attr-defined]
     return trial
@@ -402,32 +394,13 @@ def _elements(buf: Any) -> int:
 
 # ---------------------------------------------------------------- trials on a sub-world
 
-_subs: dict[int, Any] = {}  # ranks -> this engine's sub-communicator (COMM_NULL if outside)
+_subs: dict[int, Any] = {}  # ranks -> this rank's sub-communicator (COMM_NULL if outside)
 _current: Any = None  # the communicator of the trial running now
 
 
 def world() -> Any:
     """The communicator of the running trial (MPI.COMM_WORLD outside a trial)."""
     return _current if _current is not None else _mpi().COMM_WORLD
-
-
-learner_namespace: dict | None = None  # a relay worker's: where the learner's cells ran
-
-
-def learner_global(name: str) -> Any:
-    """This engine's object of ``name``, bound by a learner's cell run here (OnEngines)."""
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    namespace = learner_namespace if learner_namespace is not None else \
-        shell.user_ns if shell is not None else vars(sys.modules["__main__"])
-    if name not in namespace:
-        raise NameError(f"name {name!r} is not defined: the exercise's cells must define it")
-    return namespace[name]
-
-
-def world_rank() -> int:
-    return _mpi().COMM_WORLD.rank
 
 
 def subworld(ranks: int) -> Any:
@@ -439,18 +412,20 @@ def subworld(ranks: int) -> Any:
         MPI = _mpi()
         w = MPI.COMM_WORLD
         if not 1 <= ranks <= w.size:
-            raise ValueError(f"cannot check at {ranks} ranks with {w.size} engines")
+            raise ValueError(f"cannot check at {ranks} ranks in a world of {w.size}")
         inside = w.rank >= w.size - ranks
         _subs[ranks] = w.Split(0 if inside else MPI.UNDEFINED, key=w.size - w.rank)
     return _subs[ranks]
 
 
 def on_ranks(ranks: int, fn: Callable, args: tuple, kwargs: dict) -> dict | None:
-    """Run ``fn(*args, **kwargs)`` as one rank of a ``ranks``-rank world (on every engine).
+    """Run ``fn(*args, **kwargs)`` as one rank of a ``ranks``-rank world (on every engine of
+    a notebook's cluster).
 
-    Returns None on engines outside that world, else ``{"rank", "value"}`` or, when
-    ``fn`` raised, ``{"rank", "error": (name, message, traceback)}``: the kernel
-    then knows which rank failed without unpicking ipyparallel's errors.
+    Returns None on engines outside that world, else ``{"rank", "value"}`` (the result in
+    the format of :mod:`pcourse.tools.grading.wire`, as the grader's ranks send theirs) or,
+    when ``fn`` raised, ``{"rank", "error": (name, message, traceback)}``: the kernel then
+    knows which rank failed without unpicking ipyparallel's errors.
     """
     global _current
     sub = subworld(ranks)
@@ -466,8 +441,17 @@ def on_ranks(ranks: int, fn: Callable, args: tuple, kwargs: dict) -> dict | None
         _current = None
     # Never freed: a trial that returned with a message unreceived (a broadcast skipped on
     # one rank) leaves it on this context, and a freed context is handed to the next Dup,
-    # where the next trial (the next learner's, on a shared cluster) would receive it.
-    return {"rank": rank, "value": value}
+    # where the next trial would receive it.
+    return sent_back(rank, value)
+
+
+def sent_back(rank: int, value: Any) -> dict:
+    """A trial's result as it travels: wire bytes, or the error of a result that is no data."""
+    try:
+        return {"rank": rank, "value": wire.dumps(value)}
+    except TypeError as exc:
+        return {"rank": rank, "error": ("TypeError", f"the result could not be sent back: {exc}",
+                                        "")}
 
 
 def _learner_tb(exc: BaseException, frames: int = 6) -> str:
@@ -477,32 +461,3 @@ def _learner_tb(exc: BaseException, frames: int = 6) -> str:
     lines = [f"  in {f.name}, line {f.lineno}" + (f": {f.line.strip()}" if f.line else "")
              for f in stack[-frames:]]
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------- between notebooks
-
-_environ = dict(os.environ)
-
-
-def health(timeout: float = 5.0) -> bool:
-    """Do all engines still answer, together, through MPI? (Run on every engine.)"""
-    MPI = _mpi()
-    checker = CountingComm(MPI.COMM_WORLD, timeout=timeout)
-    try:
-        checker.Barrier()
-    except DeadlockError:
-        return False
-    return True
-
-
-def reset() -> None:
-    """Undo what one learner's code may have left on a reused engine."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    torch.set_default_dtype(torch.float32)
-    torch.set_grad_enabled(True)
-    os.environ.clear()
-    os.environ.update(_environ)

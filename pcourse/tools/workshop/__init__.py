@@ -12,6 +12,8 @@
   only what a learner needs.
 - :mod:`~pcourse.tools.workshop.reset`: restore a learner's lesson or exercise to its shipped
   state, keeping a backup of what it replaces.
+- :mod:`~pcourse.tools.workshop.shown`: what the lessons show (every ``show_source``
+  target), read without running them: the wall between taught code and tooling.
 
 Tooling only: nothing here is taught by a lesson.
 """

@@ -275,10 +275,10 @@ def entries(folder: str, root: Path | None = None) -> list[Entry]:
 # them, and tests/test_registry.py checks that they state these.
 
 def grader_engines() -> int:
-    """Engines per worker of the class grader (:data:`pcourse.tools.grading.runner.ENGINES`)."""
-    from pcourse.tools.grading.runner import ENGINES  # the grader's own number, not a copy
+    """Ranks of each learner's grading job (:data:`pcourse.tools.grading.job.RANKS`)."""
+    from pcourse.tools.grading.job import RANKS  # the grader's own number, not a copy
 
-    return ENGINES
+    return RANKS
 
 
 def quick_mnist_images() -> int:
@@ -305,6 +305,6 @@ class Facts:
 
 def facts(root: Path | None = None) -> Facts:
     """The course-wide facts of the course in ``root`` (:class:`Facts`)."""
-    from pcourse.tools.grading.harness import GRADER_SIZES
+    from pcourse.tools.grading.checks import GRADER_SIZES
 
     return Facts(load(root).last, grader_engines(), tuple(GRADER_SIZES), quick_mnist_images())

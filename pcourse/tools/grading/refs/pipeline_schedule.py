@@ -1,0 +1,458 @@
+"""Exercise 10, a pipeline schedule: ``one_f_one_b`` (1F1B's order) and ``run_stage``.
+
+The order is plain Python, checked against the closed form (:func:`one_f_one_b_reference`)
+at every p, stage and m; the loop runs a chain of blocks cut into stages, its messages
+between stages through :class:`PipeGroup` (sends that return at once, receives with a
+deadline), against one process's gradients (:func:`one_process_pipe`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from pcourse.tools.grading.checks import (
+    Check,
+    ExerciseError,
+    Learner,
+    at_sizes,
+    checker,
+    per_rank,
+    run,
+    tensors_differ,
+)
+from pcourse.tools.grading.trials import world
+
+ORDER, STAGE = Learner("one_f_one_b"), Learner("run_stage")
+
+
+PIPE_WIDTH, PIPE_MICRO = 4, 2  # the model's width; rows of one micro-batch
+PIPE_LAYERS = 2  # Linear + tanh blocks per stage: the stages of p = 2, 3, 4 cut one chain
+PIPE_MS = (1, 3, 4, 8)  # micro-batch counts of the loop's checks: m < p, m not a multiple of p
+PIPE_ORDER_SIZES = (2, 3, 4)  # the order is plain Python: checked at every size, grader or not
+
+
+def one_f_one_b_reference(p: int, rank: int, m: int) -> list[tuple[str, int]]:
+    """Stage ``rank`` of ``p``'s 1F1B order over ``m`` micro-batches, from the closed form.
+
+    A warm-up of min(p - rank - 1, m) forwards (the later stages have not yet sent a
+    gradient back), then one forward and one backward in turn, then the backwards left.
+    """
+    warm = min(p - rank - 1, m)
+    order = [("F", i) for i in range(warm)]
+    for k in range(m - warm):
+        order += [("F", warm + k), ("B", k)]
+    return order + [("B", i) for i in range(m - warm, m)]
+
+
+def gpipe_order(m: int) -> list[tuple[str, int]]:
+    """GPipe's order: every forward, then every backward (the same on every stage)."""
+    return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+
+
+def in_flight(order: list[tuple[str, int]]) -> int:
+    """The most micro-batches forwarded and not yet backwarded at once: the activations
+    a stage must keep."""
+    now = peak = 0
+    for action, _ in order:
+        now += 1 if action == "F" else -1
+        peak = max(peak, now)
+    return peak
+
+
+def pipe_order_cases() -> list[tuple[int, int, int]]:
+    """(p, rank, m) of every order :func:`pipe_order_trial` asks for, in its order."""
+    return [(p, rank, m) for p in PIPE_ORDER_SIZES for m in range(1, 9) for rank in range(p)]
+
+
+def pipe_order_trial(one_f_one_b: Callable) -> list[dict]:
+    """The learner's order of every stage at p = 2, 3, 4 and m = 1..8 (plain Python), in
+    the order of :func:`pipe_order_cases`: the checks know which case each answers."""
+    return [{"order": _plain_order(one_f_one_b(p, rank, m))}
+            for p, rank, m in pipe_order_cases()]
+
+
+def _plain_order(order: Any) -> list[tuple[str, int]]:
+    """``order`` as a list of (str, int), or a TypeError that says what it was instead."""
+    if not isinstance(order, list | tuple):
+        raise TypeError(f"one_f_one_b returned {type(order).__name__}, not a list of "
+                        "(action, micro-batch) pairs such as [('F', 0), ('B', 0)]")
+    plain = []
+    for k, step in enumerate(order):
+        if not (isinstance(step, tuple | list) and len(step) == 2):
+            raise TypeError(f"one_f_one_b's step {k} is {step!r}, not a pair such as ('F', 0)")
+        plain.append((str(step[0]), int(step[1])))
+    return plain
+
+
+def pipe_order_problem(got: dict) -> str | None:
+    """What is wrong with one stage's order, in plain words; None if nothing."""
+    p, rank, m, order = got["p"], got["rank"], got["m"], [tuple(s) for s in got["order"]]
+    where = f"at p={p}, m={m}, stage {rank}: "
+    seen: dict[tuple[str, int], int] = {}
+    for k, (action, i) in enumerate(order):
+        if action not in ("F", "B") or not 0 <= i < m:
+            return (where + f"step {k} is {(action, i)}: an action is 'F' or 'B' and a "
+                    f"micro-batch 0 to {m - 1}")
+        if (action, i) in seen:
+            return where + f"micro-batch {i} goes {_way(action)} twice (steps {seen[action, i]} " \
+                f"and {k})"
+        if action == "B" and ("F", i) not in seen:
+            return where + f"micro-batch {i} goes backward (step {k}) before it went forward"
+        seen[action, i] = k
+    missing = [(a, i) for i in range(m) for a in ("F", "B") if (a, i) not in seen]
+    if missing:
+        return where + f"micro-batch {missing[0][1]} never goes {_way(missing[0][0])}"
+    want = one_f_one_b_reference(p, rank, m)
+    if order == want:
+        return None
+    most, limit = in_flight(order), min(p - rank, m)
+    kept = (f"it keeps up to {most} micro-batches' activations in flight where 1F1B keeps at "
+            f"most min(p - rank, m) = {limit}")
+    ahead, right = _ahead(order), _ahead(want)
+    if ahead != right:
+        extra = f"; {kept}" if most > limit else ""
+        return (where + f"it runs {_forwards(ahead)} before its first backward, 1F1B "
+                f"{right}: a warm-up of min(p - rank - 1, m) = {_forwards(min(p - rank - 1, m))}, "
+                f"then one forward before each backward{extra}")
+    k = next(k for k, (a, b) in enumerate(zip(order, want, strict=True)) if a != b)
+    return (where + f"step {k} is {order[k]}, 1F1B's is {want[k]}: after the warm-up, one "
+            "forward and one backward in turn, then the remaining backwards, each in "
+            "micro-batch order")
+
+
+def pipe_orders_problem(results: list[dict]) -> str | None:
+    """The first stage, size and m whose order is wrong, in plain words; None if none.
+
+    An order that is GPipe's everywhere is said to be, at the first place it differs from
+    1F1B's: its gradients are right, only the count in flight shows it. Each order is
+    taken as the case asked for in its place (:func:`pipe_order_cases`), whatever the
+    rank labelled it.
+    """
+    cases = pipe_order_cases()
+    if len(results) != len(cases):
+        return (f"the rank sent back {len(results)} orders where {len(cases)} were asked "
+                "for: did the code replace the checks' functions?")
+    results = [{"p": p, "rank": rank, "m": m, "order": r["order"]}
+               for (p, rank, m), r in zip(cases, results, strict=True)]
+    if all([tuple(s) for s in r["order"]] == gpipe_order(r["m"]) for r in results):
+        for r in results:
+            want = one_f_one_b_reference(r["p"], r["rank"], r["m"])
+            if want != gpipe_order(r["m"]):
+                return (f"at p={r['p']}, m={r['m']}, stage {r['rank']}: this is GPipe's order "
+                        "(every forward, then every backward): the gradients come out right, "
+                        f"but it keeps {r['m']} micro-batches' activations in flight where 1F1B "
+                        f"keeps at most min(p - rank, m) = {in_flight(want)}")
+    return next(filter(None, map(pipe_order_problem, results)), None)
+
+
+def _way(action: str) -> str:
+    return "forward" if action == "F" else "backward"
+
+
+def _forwards(n: int) -> str:
+    return f"{n} forward" + ("" if n == 1 else "s")
+
+
+def _ahead(order: list[tuple[str, int]]) -> int:
+    """How many forwards an order runs before its first backward."""
+    return next((k for k, (a, _) in enumerate(order) if a == "B"), len(order))
+
+
+def pipe_block(k: int) -> torch.nn.Module:
+    """Block ``k`` of the chain (Linear + tanh, float64), seeded by its place in it."""
+    torch.manual_seed(1000 + k)
+    return torch.nn.Sequential(torch.nn.Linear(PIPE_WIDTH, PIPE_WIDTH), torch.nn.Tanh()).double()
+
+
+def pipe_stage(p: int, rank: int) -> torch.nn.Module:
+    """Stage ``rank`` of ``p``: blocks PIPE_LAYERS·rank onwards of the chain."""
+    return torch.nn.Sequential(*(pipe_block(rank * PIPE_LAYERS + j) for j in range(PIPE_LAYERS)))
+
+
+def pipe_batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole batch of m micro-batches, and the weights the loss sums the output with.
+
+    The weights differ at every position, so a micro-batch's output paired with another
+    one's weights, or transposed, changes the gradients.
+    """
+    gen = torch.Generator().manual_seed(500 + m)
+    shape = (m * PIPE_MICRO, PIPE_WIDTH)
+    return (torch.randn(shape, generator=gen, dtype=torch.float64),
+            torch.randn(shape, generator=gen, dtype=torch.float64))
+
+
+def _micro(t: torch.Tensor, m: int) -> list[torch.Tensor]:
+    return [c.clone() for c in t.split(PIPE_MICRO)][:m]
+
+
+class NotHere:
+    """What a stage gets in place of the inputs or targets another stage holds: reading it
+    says which stage has them (where None would only say it is not subscriptable)."""
+
+    def __init__(self, what: str, holder: int, rank: int) -> None:
+        self.what, self.holder, self.rank = what, holder, rank
+
+    def __getitem__(self, i: Any) -> Any:
+        raise LookupError(f"stage {self.rank} read {self.what}[{i!r}], but only stage "
+                          f"{self.holder} has the {self.what}: the first stage (rank 0) the "
+                          "inputs, the last (rank p - 1) the targets")
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<no {self.what} on stage {self.rank}>"
+
+
+def pipe_data(m: int, p: int, rank: int) -> tuple[Any, Any]:
+    """Stage ``rank``'s inputs (the first stage's) and targets (the last's), m micro-batches."""
+    x, weights = pipe_batch(m)
+    return (_micro(x, m) if rank == 0 else NotHere("inputs", 0, rank),
+            _micro(weights, m) if rank == p - 1 else NotHere("targets", p - 1, rank))
+
+
+PIPE_TAG_BASE = 3000  # above the small tags other exercises' messages carry
+
+
+class PipeGroup:
+    """The point-to-point messages between stages, as the exercise's ``group`` gives them.
+
+    ``send`` posts MPI's Isend of a float64 copy and returns at once (the trial waits for
+    every send after the learner's loop, with a deadline); ``recv`` waits for a message
+    polling MPI's Irecv, and past the deadline raises DeadlockError saying who waited for
+    what. The micro-batch number, after ``base``, is the message's tag: a message cannot be
+    taken for another micro-batch's, nor for one of another m run on the same communicator.
+    """
+
+    def __init__(self, comm: Any, timeout: float, m: int, base: int = 0) -> None:
+        self.comm, self.timeout, self.m, self.base = comm, timeout, m, base
+        self.rank, self.size = comm.rank, comm.size
+        self.pending: list[tuple[Any, np.ndarray, str]] = []  # requests, buffers they keep
+
+    def _tag(self, i: Any) -> int:
+        if not isinstance(i, int | np.integer) or not 0 <= i < self.m:
+            raise ValueError(f"stage {self.rank} sent or received micro-batch {i!r}: there are "
+                             f"m = {self.m}, numbered 0 to {self.m - 1}")
+        return self.base + int(i)
+
+    def _peer(self, peer: Any, what: str) -> int:
+        if not isinstance(peer, int | np.integer) or not 0 <= peer < self.size \
+                or peer == self.rank:
+            raise ValueError(
+                f"stage {self.rank} {what} rank {peer!r}: a pipeline of {self.size} stages has "
+                f"ranks 0 to {self.size - 1}. Activations go forward to rank + 1 and gradients "
+                "back to rank - 1; the first stage receives no activation and the last sends "
+                "none forward")
+        return int(peer)
+
+    def send(self, tensor: torch.Tensor, dest: int, i: int) -> None:
+        """Post the send of micro-batch ``i``'s tensor to rank ``dest``; return at once."""
+        dest = self._peer(dest, "sent to")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"group.send needs a tensor, got {type(tensor).__name__} (a "
+                            "received activation needs requires_grad_() before the forward, "
+                            "or its .grad stays None)")
+        if tuple(tensor.shape) != (PIPE_MICRO, PIPE_WIDTH):
+            raise ValueError(f"group.send got a tensor of shape {tuple(tensor.shape)}; every "
+                             f"message here is one micro-batch, {(PIPE_MICRO, PIPE_WIDTH)}")
+        tag = self._tag(i)
+        buf = np.ascontiguousarray(tensor.detach().double().numpy()).copy()
+        what = f"micro-batch {int(i)}'s tensor from stage {self.rank} to stage {dest}"
+        self.pending.append((self.comm.Isend(buf, dest, tag), buf, what))
+
+    def recv(self, source: int, i: int) -> torch.Tensor:
+        """Wait for micro-batch ``i``'s tensor from rank ``source``; a new float64 tensor."""
+        from pcourse.runtime.waits import CollectiveTimeout, wait_request
+        from pcourse.tools.grading.trials import DeadlockError
+
+        source = self._peer(source, "received from")
+        buf = np.empty((PIPE_MICRO, PIPE_WIDTH))
+        request = self.comm.Irecv(buf, source, self._tag(i))
+        try:
+            wait_request(request, self.timeout)
+        except CollectiveTimeout:
+            request.Cancel()  # withdrawn: no late message lands in it
+            raise DeadlockError(
+                f"stage {self.rank} waited {self.timeout:g} s for micro-batch {int(i)}'s tensor "
+                f"from stage {source} (group.recv({source}, {int(i)})) and it never came: a "
+                f"deadlock. Stage {source} sends it only after something it waits for itself; "
+                "with sends that return at once, only receives wait, so follow the order: a "
+                "forward receives from rank - 1 (the first stage takes its input), a backward "
+                "from rank + 1 (the last stage starts from its loss)") from None
+        return torch.from_numpy(buf)
+
+    def finish(self) -> None:
+        """Wait for every send posted: each must have been received, within the deadline."""
+        from pcourse.runtime.waits import CollectiveTimeout, wait_request
+        from pcourse.tools.grading.trials import DeadlockError
+
+        for request, _, what in self.pending:
+            try:
+                wait_request(request, self.timeout)
+            except CollectiveTimeout:
+                raise DeadlockError(f"{what} was never received within {self.timeout:g} s: "
+                                    "does that stage receive it, from this rank, with this "
+                                    "micro-batch number?") from None
+        self.pending.clear()
+
+
+def pipe_stage_trial(run_stage: Callable, one_f_one_b: Callable | None,
+                     ms: tuple[int, ...] = PIPE_MS) -> list[dict]:
+    """This stage's gradients after the learner's ``run_stage`` for each m: with the
+    reference 1F1B order, or, given ``one_f_one_b``, with the learner's own."""
+    from pcourse.tools.grading.trials import OP_TIMEOUT
+
+    # A communicator of its own, never freed: a run that fails leaves sends unreceived, and a
+    # freed communicator's context is reused, so they would meet a later learner's receives
+    # (seen grading a class: another learner's wrong loop's tensors). Each m its own tags.
+    comm = world().Dup()
+    p, rank = comm.size, comm.rank
+    out = []
+    for k, m in enumerate(ms):
+        group = PipeGroup(comm, OP_TIMEOUT, m, base=PIPE_TAG_BASE + k * max(ms))
+        stage = pipe_stage(p, rank)
+        order = (one_f_one_b_reference(p, rank, m) if one_f_one_b is None
+                 else _plain_order(one_f_one_b(p, rank, m)))
+        run_stage(stage, order, group, *pipe_data(m, p, rank), m)
+        group.finish()
+        out.append({"grads": [None if t.grad is None else t.grad.detach().clone()
+                              for t in stage.parameters()]})  # its m: its place in ms
+    return out
+
+
+def pipe_deadlock_orders(p: int, rank: int) -> list[tuple[str, int]]:
+    """Orders of m = 2 that wait on each other: every stage takes micro-batch 0 through
+    and back before micro-batch 1, but the last takes micro-batch 1 first. Its first
+    receive (micro-batch 1's activation) is sent only after stage p - 2's backward of
+    micro-batch 0, which waits for the last stage: every stage ends up in a receive."""
+    if rank == p - 1:
+        return [("F", 1), ("B", 1), ("F", 0), ("B", 0)]
+    return [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+
+
+PIPE_DEADLOCK_TIMEOUT = 2.0  # seconds: the check expects a deadlock, so it waits less
+
+
+def pipe_deadlock_trial(run_stage: Callable) -> dict:
+    """The learner's loop on :func:`pipe_deadlock_orders`: the DeadlockError's words if it
+    reported one, else that it finished (it cannot have followed the order)."""
+    from pcourse.tools.grading.trials import DeadlockError
+
+    comm = world()
+    p, rank, m = comm.size, comm.rank, 2
+    # A communicator of its own, never freed: the deadlock leaves a message unreceived,
+    # which must not meet a later communicator that reuses the world's context.
+    group = PipeGroup(comm.Dup(), PIPE_DEADLOCK_TIMEOUT, m, base=PIPE_TAG_BASE)
+    try:
+        run_stage(pipe_stage(p, rank), pipe_deadlock_orders(p, rank), group,
+                  *pipe_data(m, p, rank), m)
+        group.finish()
+    except DeadlockError as exc:
+        return {"deadlock": str(exc)}
+    return {"deadlock": None}
+
+
+def pipe_deadlock_problem(got: dict) -> str | None:
+    if got["deadlock"] is None:
+        return ("it finished an order that cannot finish (the last stage takes micro-batch 1 "
+                "first, the others micro-batch 0): run_stage must follow the order it is given, "
+                "and let group.recv's DeadlockError through")
+    if "deadlock" not in got["deadlock"]:
+        return f"the deadlock was reported as {got['deadlock']!r}, without saying so"
+    return None
+
+
+def one_process_pipe(p: int, m: int) -> dict:
+    """One process, the whole chain of p stages, on the whole batch of m micro-batches.
+
+    The loss is the mean over micro-batches of each one's weighted sum. Also returned:
+    the gradients of micro-batch m - 1 alone (what a loop that does not accumulate
+    keeps), and those of the loss divided by p instead of m.
+    """
+    x, weights = pipe_batch(m)
+    stages = [pipe_stage(p, r) for r in range(p)]
+    model = torch.nn.Sequential(*stages)
+    (model(x) * weights).sum().div(m).backward()
+    whole = [[t.grad.clone() for t in s.parameters()] for s in stages]
+    model.zero_grad()
+    (model(x[-PIPE_MICRO:]) * weights[-PIPE_MICRO:]).sum().div(m).backward()
+    last = [[t.grad.clone() for t in s.parameters()] for s in stages]
+    return {"grads": whole, "last": last,
+            "by_p": [[g * m / p for g in stage] for stage in whole]}
+
+
+PIPE_NAMES = [f"block {j}'s {what}" for j in range(PIPE_LAYERS) for what in ("weight", "bias")]
+
+
+def pipe_stage_problem(got: list[dict], want: dict[int, dict], rank: int) -> str | None:
+    """The first m (:data:`PIPE_MS`, in order, as asked) whose gradients are wrong on this
+    stage; ``want``: one process's run for each m (:func:`one_process_pipe`)."""
+    if len(got) != len(PIPE_MS):
+        return (f"{len(got)} results where {len(PIPE_MS)} were asked for (m = "
+                f"{', '.join(map(str, PIPE_MS))}): did the code replace the checks' functions?")
+    return next(filter(None, (pipe_grads_problem({**one, "m": m}, want[m], rank)
+                              for m, one in zip(PIPE_MS, got, strict=True))), None)
+
+
+def pipe_grads_problem(got: dict, want: dict, rank: int) -> str | None:
+    """What is wrong with one stage's gradients for one m, in plain words; None if nothing."""
+    m, names = got["m"], [f"the gradient of {n}" for n in PIPE_NAMES]
+    mine = got["grads"]
+    if any(g is None for g in mine):
+        return (f"m={m}: no gradient reached this stage's parameters: did the backward run "
+                "(torch.autograd.backward(output, gradient)) on the stage's own output?")
+    problem = tensors_differ(mine, want["grads"][rank], names, rtol=1e-12, atol=1e-12)
+    if problem is None:
+        return None
+
+    def same(other: list) -> bool:
+        return tensors_differ(mine, other, rtol=1e-12, atol=1e-12) is None
+
+    if m > 1 and same(want["last"][rank]):
+        return (f"m={m}: {problem}: it is the last micro-batch's gradient alone; the "
+                "micro-batches' gradients must add up (backward adds into .grad: do not zero "
+                "or replace it between micro-batches)")
+    if same(want["by_p"][rank]):
+        return (f"m={m}: {problem}: the loss was divided by the number of stages p; the mean "
+                f"is over the m = {m} micro-batches")
+    if m > 1 and same([g * m for g in want["grads"][rank]]):
+        return (f"m={m}: {problem}: it is the sum of the micro-batches' losses, not their mean: "
+                "divide each one's loss by m")
+    return f"m={m}: {problem}"
+
+
+def _orders(mc: Any) -> str | None:
+    """Plain Python: one rank tries every p, stage and m."""
+    try:
+        got = run(mc, pipe_order_trial, ORDER, ranks=1)[0]
+    except ExerciseError as exc:
+        return str(exc)
+    return pipe_orders_problem(got)
+
+
+def _stages(mc: Any, p: int, mine: Learner | None = None) -> str | None:
+    want = {m: one_process_pipe(p, m) for m in PIPE_MS}
+    got = run(mc, pipe_stage_trial, STAGE, mine, ranks=p)
+    return per_rank(got, lambda r, o: pipe_stage_problem(o, want, r))
+
+
+def _deadlock(mc: Any, p: int) -> str | None:
+    return per_rank(run(mc, pipe_deadlock_trial, STAGE, ranks=p),
+                    lambda r, o: pipe_deadlock_problem(o))
+
+
+CHECKS = (
+    Check("the 1F1B order of every stage at p = 2, 3, 4 and m = 1 to 8, min(p - rank, m) in "
+          "flight", _orders),
+    Check("run_stage with 1F1B's order: each stage's gradients equal one process's "
+          "(m = 1, 3, 4, 8)", lambda mc: at_sizes(mc, lambda p: _stages(mc, p))),
+    Check("run_stage with your one_f_one_b's order: the same gradients",
+          lambda mc: at_sizes(mc, lambda p: _stages(mc, p, ORDER))),
+    Check("an order that cannot finish is reported as a deadlock within the deadline, not a "
+          "hang", lambda mc: at_sizes(mc, lambda p: _deadlock(mc, p))),
+)
+check = checker(CHECKS)
