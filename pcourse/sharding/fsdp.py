@@ -13,6 +13,7 @@ collectives (:class:`_Gather`) and the module wrapper (:class:`FullyShardedDataP
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,8 +68,10 @@ class _Unit:
     parameters where the module's parameters were. What autograd saves of them for
     the backward is packed as a place (offset, size, stride) instead of the tensor,
     so the gathered parameters are freed as soon as the forward ends; the first
-    unpacking in the backward all-gathers them again, and :class:`_Gather`'s
-    backward (the unit's last) frees them once more.
+    unpacking in the backward all-gathers them again, and they are freed once more as
+    soon as every use of them in the backward is done, before the parameters'
+    gradients are joined into the one the reduce-scatter reads: a unit's backward
+    holds two units' worth at a time (gathered + gradients, then gradients + joined).
     """
 
     def __init__(self, module: nn.Module, params: list[tuple[nn.Parameter, list]],
@@ -115,12 +118,15 @@ class _Unit:
         """Before the forward: gather, put the views in place, pack what autograd saves."""
         self.calls += 1
         call, full = self.calls, _Gather.apply(self.shard, self, self.calls)
-        offset = 0
-        for owners, shape, n in self.places:
-            view = full[offset:offset + n].view(shape)
+        sizes = [n for _, _, n in self.places]
+        # one split, not a slice per parameter: each slice's backward would fill a zero
+        # gradient the size of the whole unit; split's backward joins them once
+        views = full.split([*sizes, self.padded - sum(sizes)])
+        for (owners, shape, _), view in zip(self.places, views, strict=False):
             for mod, name in owners:
-                setattr(mod, name, view)
-            offset += n
+                setattr(mod, name, view.view(shape))
+        if views[0].grad_fn is not None:  # split's backward runs once every use is done
+            views[0].grad_fn.register_prehook(partial(self._used, call))
         ptr = full.untyped_storage().data_ptr()
 
         saved, ahead = self.schedule.saved, self.schedule.prefetch
@@ -145,6 +151,12 @@ class _Unit:
         self.full = full
         self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self.hooks.__enter__()
+
+    def _used(self, call: int, grads: Any) -> None:
+        """Before the parameters' gradients are joined into one: every use of the
+        gathered copy in this backward is done, so free it (torch's FSDP2 reshards at
+        the same moment, before it copies the gradients out)."""
+        self.again.pop(call, None)
 
     def _prefetch_backward(self, call: int) -> None:
         """Start gathering the units whose backward comes next (the forward's, reversed)."""
