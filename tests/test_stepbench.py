@@ -105,7 +105,7 @@ def test_the_lesson_compares_with_ddp_beyond_the_quartiles_and_prints_no_target(
     assert "bucketed+overlap is faster than bucketed" in out and "target" not in out
     rows[2].update(p25_ms=3.05, median_ms=3.2)  # the quartiles overlap: no verdict
     stepbench.print_against_ddp(rows)
-    assert "no difference was measured between bucketed+overlap and DDP" in \
+    assert "not decided between bucketed+overlap and DDP: their quartiles overlap" in \
         capsys.readouterr().out
 
 
