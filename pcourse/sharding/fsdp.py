@@ -26,7 +26,7 @@ from pcourse.sharding.zero import IN_FLIGHT, _flat, shard_range
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["FullyShardedDataParallel"]
+__all__ = ["FullyShardedDataParallel", "MinimalUnit"]
 
 
 @dataclass
@@ -182,6 +182,49 @@ class _Unit:
         for owners, _, _ in self.places:
             for mod, name in owners:
                 setattr(mod, name, None)
+
+
+class MinimalUnit:
+    """FSDP's idea in one unit, as small as it goes: what lesson 10 shows before the
+    production class below.
+
+    The module's own parameters become this rank's slice of one flat vector
+    (``shard``, what the optimizer steps). Before each forward they are all-gathered
+    and put back in place as views of the gathered vector; a hook on that vector
+    reduce-scatters (averages) its gradient into the slice's ``.grad`` and lets the
+    gathered vector go. So the parameters are whole from the forward to the backward:
+    :class:`FullyShardedDataParallel` frees them in between and gathers them again in
+    the backward (saved-tensor hooks), prefetches, overlaps, and handles nested,
+    tied and frozen parameters, none of which this does.
+    """
+
+    def __init__(self, module: nn.Module, backend: Backend) -> None:
+        self.module, self.backend = module, backend
+        self.names = [n for n, _ in module.named_parameters(recurse=False)]
+        params = [getattr(module, n).detach() for n in self.names]
+        self.shapes, self.sizes = [q.shape for q in params], [q.numel() for q in params]
+        lo, hi, self.padded = shard_range(sum(self.sizes), backend.rank, backend.size)
+        self.shard = nn.Parameter(_flat(params, self.padded, params[0])[lo:hi].clone())
+        for n in self.names:  # the module holds no whole parameter between steps
+            delattr(module, n)
+            setattr(module, n, None)
+        module.register_forward_pre_hook(self._gather)
+
+    def _gather(self, module: nn.Module, args: tuple) -> None:
+        full = self.shard.new_empty(self.padded)
+        self.backend.all_gather(full, self.shard.detach())
+        full.requires_grad_()
+        full.register_hook(self._reduce)  # its gradient, once backward has made it whole
+        pieces = full.split([*self.sizes, self.padded - sum(self.sizes)])
+        for n, piece, shape in zip(self.names, pieces, self.shapes, strict=False):
+            setattr(module, n, piece.view(shape))
+
+    def _reduce(self, grad: torch.Tensor) -> None:
+        mine = torch.empty_like(self.shard)
+        self.backend.reduce_scatter(mine, grad.contiguous(), "avg")
+        self.shard.grad = mine if self.shard.grad is None else self.shard.grad + mine
+        for n in self.names:  # let the gathered vector go
+            setattr(self.module, n, None)
 
 
 class _Gather(torch.autograd.Function):

@@ -225,11 +225,12 @@ def held_in_step(strategy: str, build: Callable[[], nn.Module], backend: Any,
                  loss: Callable[[nn.Module], torch.Tensor], *, steps: int = 3,
                  shard: Any = None, bucket_cap_bytes: int = DEFAULT_CAP_BYTES,
                  overlap: bool = False, prefetch: int = 0,
-                 compute_dtype: torch.dtype | None = None) -> int:
+                 compute_dtype: torch.dtype | None = None) -> tuple[int, dict[str, int]]:
     """The most torch's allocator held at any moment of the last of ``steps`` training
     steps (AdamW) under ``strategy``, counted from before ``build()`` made the model:
     everything the strategy holds, its state and its transients, with nothing counted
-    by hand. The options are :func:`peak_theory_bytes`'s (``shard`` as
+    by hand; and, beside it, the state held at rest after the steps (:func:`state_bytes`).
+    The options are :func:`peak_theory_bytes`'s (``shard`` as
     :class:`FullyShardedDataParallel` takes it); ``ddp`` is lesson 07's
     :class:`~pcourse.buckets.BucketedAllreduce`. Every rank of ``backend`` calls it.
     """
@@ -260,5 +261,6 @@ def held_in_step(strategy: str, build: Callable[[], nn.Module], backend: Any,
                 opt.step()
         if isinstance(opt, ShardedOptimizer):
             opt.synchronize()
+        rest = state_bytes(model, opt)
         del model, opt, finish  # freed under the log: seen to go
-    return log.peak("step")
+    return log.peak("step"), rest

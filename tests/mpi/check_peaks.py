@@ -39,8 +39,8 @@ def main() -> None:
     with make_backend("mpi", timeout=60) as backend:
         for variant, options in VARIANTS.items():
             strategy = variant.split()[0]
-            held = held_in_step(strategy, deep_net, backend,
-                                lambda m: m(x).square().mean(), **options)
+            held, _ = held_in_step(strategy, deep_net, backend,
+                                   lambda m: m(x).square().mean(), **options)
             theory = peak_theory_bytes(strategy, deep_net(), COMM.size, **options)
             assert 0 <= held - theory <= LEFT_OUT, \
                 f"rank {COMM.rank}, {variant}: measured {held} B, theory {theory:.0f} B"
