@@ -62,7 +62,7 @@ def test_a_legend_left_where_matplotlib_puts_it_covers_the_bars():
 
 @pytest.mark.parametrize("shape", [(2, 2), (2, 2, 2), (3, 2, 4)])
 def test_a_mesh_is_drawn_from_its_coordinates_every_rank_once(shape):
-    from pcourse.utils.show import draw_mesh
+    from pcourse.tools.bench.tp import draw_mesh
 
     names = ["dp", "pp", "tp"][-len(shape):] if len(shape) == 3 else ["dp", "tp"]
     coords = []
