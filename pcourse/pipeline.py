@@ -25,12 +25,16 @@ micro-batch i) and ``("B", i)`` (its backward), all run by one loop
 
 Both leave the stages idle for the same **bubble**: with equal stages, each of
 forward and backward time t, a step lasts (m + p - 1) of them per direction while a
-stage works m, so the idle fraction is (p - 1)/(m + p - 1) (:func:`bubble_fraction`).
+stage works m, so the idle fraction is (p - 1)/(m + p - 1) (:func:`bubble_fraction`);
+with unequal stages, :func:`simulated_step` plays the orders out with each stage's
+own times.
 
 Every action is timed (``Timeline``: start and length in ms from the step's start,
 the events lesson 07's trace writer, ``pcourse.tools.bench.trace.chrome_trace``, takes),
 and the micro-batches whose activations are held are counted, with their bytes
-(what autograd saved, :func:`pcourse.activations.count_saved`), after every action.
+(what autograd saved, :func:`pcourse.activations.count_saved`), after every action;
+a bare stage (``instrumented=False``) does neither, for timing against another library.
+A sent tensor is let go as soon as its send is done, not at the step's end.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ Action = tuple[str, int]  # ("F", i) or ("B", i)
 
 __all__ = ["Action", "Stage", "Timeline", "bubble_fraction", "check_order", "gpipe_order",
            "in_flight_prediction", "micro_sizes", "one_f_one_b_order", "run_step",
-           "split_model"]
+           "simulated_step", "split_model"]
 
 
 def gpipe_order(p: int, rank: int, m: int) -> list[Action]:
@@ -77,6 +81,39 @@ def in_flight_prediction(schedule: str, p: int, rank: int, m: int) -> int:
 def bubble_fraction(p: int, m: int) -> float:
     """The idle fraction of a step with p equal stages and m micro-batches."""
     return (p - 1) / (m + p - 1)
+
+
+def simulated_step(orders: Sequence[Sequence[Action]], t_f: Sequence[float],
+                   t_b: Sequence[float]) -> tuple[float, list[float]]:
+    """The step's length and each stage's busy time when stage r's forwards take
+    ``t_f[r]`` and its backwards ``t_b[r]``, and nothing else takes time: no message,
+    no code between actions. ``orders[r]``: stage r's schedule.
+
+    Each action starts once its stage is free and what it needs has arrived (a forward
+    the previous stage's forward of that micro-batch, a backward the next stage's
+    backward). With equal stages this is (m + p - 1)(t_f + t_b) and the bubble
+    (p - 1)/(m + p - 1); with unequal ones the slowest stage sets the pace, so it
+    predicts the bubble of stages as they were measured.
+    """
+    p = len(orders)
+    done: dict[tuple[str, int, int], float] = {}
+    free, nxt = [0.0] * p, [0] * p
+    while any(nxt[r] < len(orders[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            if nxt[r] == len(orders[r]):
+                continue
+            kind, i = orders[r][nxt[r]]
+            need = (kind, i, r - 1 if kind == "F" else r + 1)
+            if 0 <= need[2] < p and need not in done:
+                continue  # its input is not there yet
+            start = max(free[r], done.get(need, 0.0))
+            free[r] = done[kind, i, r] = start + (t_f[r] if kind == "F" else t_b[r])
+            nxt[r], moved = nxt[r] + 1, True
+        if not moved:
+            raise ValueError("these orders wait on each other: the pipeline deadlocks")
+    busy = [sum(t_f[r] if k == "F" else t_b[r] for k, _ in orders[r]) for r in range(p)]
+    return max(free), busy
 
 
 def _check(p: int, rank: int, m: int) -> None:
@@ -142,12 +179,19 @@ class Stage:
     ``in_shape``: what one sample entering this stage looks like (its features), so
     that a received activation's buffer is made without a message about its size.
     The last stage computes ``loss_fn(output, target)`` (a mean over the micro-batch).
-    ``dtype``: of what arrives (default: the module's parameters').
+    ``dtype``: of what arrives (default: the module's parameters'). ``instrumented``:
+    time every action and count what autograd saves (the lesson's measurements); False
+    runs the same step bare, as a step to be timed against another library's is.
+
+    A send's tensor is kept until the send is done, and no longer: every action first
+    lets go of the sends that completed (MPI says so when asked; a Gloo send only when
+    waited for), and a micro-batch's backward waits for the send of its forward's
+    output, which the next stage has received by then (its gradient came back).
     """
 
     def __init__(self, module: nn.Module, group: Backend, in_shape: Sequence[int],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, instrumented: bool = True) -> None:
         if dtype is None:  # what arrives is what the previous stage computes in
             dtype = next(module.parameters(), torch.empty(0)).dtype
         self.module, self.group, self.in_shape, self.dtype = module, group, tuple(in_shape), dtype
@@ -156,46 +200,59 @@ class Stage:
         self.next = self.rank + 1 if self.rank < self.p - 1 else None
         if self.next is None and loss_fn is None:
             raise ValueError("the last stage needs loss_fn: it computes the loss")
-        self.loss_fn = loss_fn
-        self._sends: list[Work] = []
+        self.loss_fn, self.instrumented = loss_fn, instrumented
+        self._sends: list[Work] = []  # sends not known to be done
+        self._sent: dict[int, Work] = {}  # i -> the send of micro-batch i's output
         self._held: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # i -> in, out, bytes
 
     def forward(self, i: int, x: torch.Tensor | None, target: torch.Tensor | None,
                 rows: int, scale: float, timeline: Timeline) -> torch.Tensor | None:
         """Forward of micro-batch i: receive (or take) its input, compute, send it on.
         Returns the scaled loss on the last stage."""
+        self._let_go()
         if self.prev is not None:
             x = torch.empty((rows, *self.in_shape), dtype=self.dtype)
             start = time.perf_counter()
             self.group.recv(x, self.prev)
-            timeline.record(f"wait F {i}", start, time.perf_counter())
+            self._mark(timeline, f"wait F {i}", start)
         x = x.detach().requires_grad_(self.prev is not None)
         start = time.perf_counter()
-        with count_saved(self.module.parameters()) as saved:
+        with count_saved(self.module.parameters()) if self.instrumented else _Uncounted() as saved:
             out = self.module(x)
             if self.next is None:
                 out = self.loss_fn(out, target) * scale
-        timeline.record(f"F {i}", start, time.perf_counter())
+        self._mark(timeline, f"F {i}", start)
         self._held[i] = (x, out, saved.bytes)
         if self.next is not None:
-            self._sends.append(self.group.send(out.detach().contiguous(), self.next))
+            self._sent[i] = self.group.send(out.detach().contiguous(), self.next)
+            self._sends.append(self._sent[i])
         return out.detach() if self.next is None else None
 
     def backward(self, i: int, timeline: Timeline) -> None:
         """Backward of micro-batch i: receive its output's gradient (the last stage: the
         loss itself), accumulate into the parameters, send the input's gradient back."""
+        self._let_go()
         x, out, _ = self._held.pop(i)
         grad = None
         if self.next is not None:
             grad = torch.empty_like(out)
             start = time.perf_counter()
             self.group.recv(grad, self.next)
-            timeline.record(f"wait B {i}", start, time.perf_counter())
+            self._mark(timeline, f"wait B {i}", start)
+            self._sent.pop(i).wait()  # received: its gradient came back
         start = time.perf_counter()
         out.backward(grad)
-        timeline.record(f"B {i}", start, time.perf_counter())
+        self._mark(timeline, f"B {i}", start)
         if self.prev is not None:
             self._sends.append(self.group.send(x.grad.contiguous(), self.prev))
+
+    def _mark(self, timeline: Timeline, name: str, start: float) -> None:
+        if self.instrumented:
+            timeline.record(name, start, time.perf_counter())
+
+    def _let_go(self) -> None:
+        """Drop the sends that are done, and with them the tensors they kept."""
+        self._sends = [work for work in self._sends if not work.test()]
 
     def held(self) -> tuple[int, int]:
         """Micro-batches whose activations this stage holds now, and their bytes."""
@@ -203,9 +260,21 @@ class Stage:
 
     def finish(self) -> None:
         """Wait for every send of the step (each with the deadline)."""
-        sends, self._sends = self._sends, []
+        sends, self._sends, self._sent = self._sends, [], {}
         for work in sends:
             work.wait()
+
+
+class _Uncounted:
+    """What a bare stage counts of autograd's saved tensors: nothing."""
+
+    bytes = 0
+
+    def __enter__(self) -> _Uncounted:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 def run_step(stage: Stage, order: Sequence[Action], m: int, batch: int,
@@ -239,8 +308,9 @@ def run_step(stage: Stage, order: Sequence[Action], m: int, batch: int,
                 loss = out if loss is None else loss + out
         else:
             stage.backward(i, timeline)
-        n, nbytes = stage.held()
-        timeline.held.append(n)
-        timeline.held_bytes.append(nbytes)
+        if stage.instrumented:
+            n, nbytes = stage.held()
+            timeline.held.append(n)
+            timeline.held_bytes.append(nbytes)
     stage.finish()
     return loss, timeline

@@ -227,11 +227,16 @@ def sync_sequence_parallel_grads(model: nn.Module, group: Backend) -> None:
 
     With the sequence split, a replicated parameter (a norm's weight, a row-parallel
     bias) sees only this rank's tokens, so its gradient is a partial sum over the
-    sequence: allreduce it over the tensor-parallel group after backward.
+    sequence: allreduce them over the tensor-parallel group after backward, all in one
+    flat buffer (one call, as Megatron does: a call per parameter pays the latency each).
     """
-    for p in model.parameters():
-        if getattr(p, "sequence_parallel", False) and p.grad is not None:
-            group.allreduce(p.grad, "sum")
+    grads = [p.grad for p in model.parameters()
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if grads:
+        flat = group.allreduce(torch.cat([g.reshape(-1) for g in grads]), "sum")
+        torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in
+                                     zip(flat.split([g.numel() for g in grads]), grads,
+                                         strict=True)])
 
 
 def mark_sequence_parallel(module: nn.Module) -> nn.Module:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
@@ -56,3 +58,22 @@ def test_a_legend_left_where_matplotlib_puts_it_covers_the_bars():
     assert not _legend_right_of_axes(ax)
     legend_beside(ax)
     assert _legend_right_of_axes(ax)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 2, 2), (3, 2, 4)])
+def test_a_mesh_is_drawn_from_its_coordinates_every_rank_once(shape):
+    from pcourse.tools.bench.tp import draw_mesh
+
+    names = ["dp", "pp", "tp"][-len(shape):] if len(shape) == 3 else ["dp", "tp"]
+    coords = []
+    for r in range(math.prod(shape)):
+        rest, c = r, {}
+        for name, n in reversed(list(zip(names, shape, strict=True))):
+            rest, c[name] = divmod(rest, n)
+        coords.append({k: c[k] for k in names})
+    fig = new_figure(figsize=(6, 3))
+    ax = fig.add_subplot()
+    draw_mesh(ax, coords)
+    ranks = [t.get_text() for t in ax.texts if t.get_text().startswith("rank ")]
+    assert ranks == [f"rank {r}" for r in range(len(coords))]
+    assert names[-1] in ax.get_title() and names[0] in ax.get_title()

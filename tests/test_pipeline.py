@@ -11,6 +11,7 @@ from pcourse.pipeline import (
     in_flight_prediction,
     micro_sizes,
     one_f_one_b_order,
+    simulated_step,
 )
 
 
@@ -103,7 +104,25 @@ def test_bench_pp_prints_bubble_memory_and_torch(tmp_path) -> None:
     lines = run.stdout.splitlines()
     rows = [line.split() for line in lines if line.startswith(("gpipe", "1f1b"))]
     assert len(rows) == 2 * 2 * 2  # schedules x m x ranks
-    # held micro-batches and peak bytes: measured == predicted on every row
-    assert all(r[6] == r[7] and r[8] == r[9] for r in rows), rows
+    # held micro-batches counted == predicted; the allocator's peak within a backward's
+    # transients of the activations and gradients predicted, either way
+    assert all(r[8] == r[9] and abs(int(r[10]) - int(r[11])) <= int(r[12]) for r in rows), rows
     assert any(line.startswith("torch's gpipe") or "pipelining on Gloo failed" in line
                for line in lines), lines
+
+
+def test_a_simulated_step_is_the_formula_for_equal_stages_and_plays_out_unequal_ones() -> None:
+    for p in (2, 3, 4):
+        for m in (1, 2, 3, 8):
+            for order_of in (gpipe_order, one_f_one_b_order):
+                step, busy = simulated_step([order_of(p, r, m) for r in range(p)], [1.0] * p,
+                                            [2.0] * p)
+                assert step == (m + p - 1) * 3.0 and busy == [3.0 * m] * p
+                assert 1 - busy[0] / step == pytest.approx(bubble_fraction(p, m))
+    # p = 2, GPipe, m = 2, stage 1 slower: by hand, stage 0 F 0-1 1-2; stage 1 F 1-3 3-5,
+    # B 5-8 8-11; stage 0 B 8-10 11-13
+    step, busy = simulated_step([gpipe_order(2, r, 2) for r in range(2)], [1, 2], [2, 3])
+    assert (step, busy) == (13, [6, 10])
+    stuck = [[("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 1), ("F", 0), ("B", 0), ("B", 1)]]
+    with pytest.raises(ValueError, match="deadlocks"):
+        simulated_step(stuck, [1, 1], [1, 1])

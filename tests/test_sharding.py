@@ -210,17 +210,38 @@ def test_zero2_with_overlap_never_holds_every_gradient(one_rank) -> None:
 
 
 def test_the_peak_theory_adds_the_transients() -> None:
-    psi, p = 1200, 4
-    assert peak_theory_bytes("ddp", psi, p) == 20 * psi  # the optimizer's temporary
-    assert peak_theory_bytes("zero1", psi, p) == 8 * psi + 12 * psi / p
-    assert peak_theory_bytes("zero2", psi, p) == 8 * psi + 12 * psi / p
-    assert peak_theory_bytes("zero2", psi, p, overlap=True, buckets=[100] * 9) == \
-        4 * psi + 12 * psi / p + 4 * (1 + IN_FLIGHT) * 100
-    assert peak_theory_bytes("fsdp", psi, p, units=[500, 300, 400]) == 16 * psi / p + 8 * 500
-    assert peak_theory_bytes("fsdp", psi, p, units=[500, 300, 400], prefetch=1) == \
-        16 * psi / p + 8 * 500 + 4 * 400
-    for s in ("ddp", "zero1", "zero2", "fsdp"):
-        assert peak_theory_bytes(s, psi, p) >= theory_bytes(s, psi, p)
+    """Closed forms on two Linear layers (220 and 630 parameters, Ψ = 850) at p = 2, in
+    elements times 4 bytes: each strategy's state at rest plus its largest moment."""
+    model = nn.Sequential(nn.Linear(10, 20), nn.Linear(20, 30))
+    psi, largest = 850, 600  # the largest parameter: the second weight
+    # DDP: 16Ψ, and AdamW's two temporaries of the largest parameter
+    assert peak_theory_bytes("ddp", model, 2) == 4 * (4 * psi + 2 * largest)
+    # ZeRO-1: 8Ψ + 8Ψ/p, and the two temporaries of its one slice (425)
+    assert peak_theory_bytes("zero1", model, 2) == 4 * (2 * psi + psi + 2 * 425)
+    # ZeRO-2: 4Ψ + 12Ψ/p, and in backward every gradient waiting plus the largest one
+    assert peak_theory_bytes("zero2", model, 2) == 4 * (psi + 3 * psi / 2 + psi + largest)
+    # FSDP: 12Ψ/p, and the last unit's backward: the unit gathered and its gradients
+    assert peak_theory_bytes("fsdp", model, 2, shard=nn.Linear) == 4 * (3 * 425 + 2 * 630)
+    # one unit gathered ahead for the backward: the first, while the last's runs
+    assert peak_theory_bytes("fsdp", model, 2, shard=nn.Linear, prefetch=1) == \
+        4 * (3 * 425 + 220 + 2 * 630)
+    # bfloat16: gathered and its gradients in 2 bytes, joined and cast to fp32 2 + 4:
+    # 6 * 630 < 8 * 630, so now the optimizer's step is the peak: every slice's
+    # gradient and two temporaries of the largest slice (315)
+    assert peak_theory_bytes("fsdp", model, 2, shard=nn.Linear,
+                             compute_dtype=torch.bfloat16) == 4 * (4 * 425 + 2 * 315)
+    assert 4 * 3 * 425 + 6 * 630 < 4 * (4 * 425 + 2 * 315)
+    for s in ("ddp", "zero1", "zero2"):
+        assert peak_theory_bytes(s, model, 2) >= theory_bytes(s, psi, 2)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        peak_theory_bytes("zero3", model, 2)
+
+
+@pytest.mark.parametrize("p", SLOW_P)
+def test_the_peak_theory_is_what_the_allocator_holds(mpi_run, p: int) -> None:
+    """The allocator's peak of a step, counted from before the model was built, is the
+    theory plus what it leaves out, checked both ways for every strategy (check_peaks.py)."""
+    mpi_run(p, "check_peaks.py", expect=f"peaks OK on {p} ranks", timeout=240)
 
 
 def test_exposure_is_read_from_the_trace() -> None:

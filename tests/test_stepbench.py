@@ -105,7 +105,7 @@ def test_the_lesson_compares_with_ddp_beyond_the_quartiles_and_prints_no_target(
     assert "bucketed+overlap is faster than bucketed" in out and "target" not in out
     rows[2].update(p25_ms=3.05, median_ms=3.2)  # the quartiles overlap: no verdict
     stepbench.print_against_ddp(rows)
-    assert "no difference was measured between bucketed+overlap and DDP" in \
+    assert "not decided between bucketed+overlap and DDP: their quartiles overlap" in \
         capsys.readouterr().out
 
 
@@ -126,3 +126,27 @@ def test_bad_arguments_are_refused(argv: list[str], says: str,
     with pytest.raises(SystemExit):
         stepbench.main(argv)
     assert says in capsys.readouterr().err
+
+
+def test_what_a_learner_runs_prints_no_development_target(capsys, tmp_path) -> None:
+    """Lessons 07 and 10 send learners to `bench steps` and `bench sharding`: their default
+    report holds none of the course's development targets (the output rules of
+    pcourse.tools.workshop.outputs, as for a lesson's stored outputs); --targets adds them."""
+    from pcourse.tools.bench import sharding
+    from pcourse.tools.workshop.outputs import RULES
+
+    def timed(path: str, backend: str, cap: int, q: tuple) -> dict:
+        return {**row(path, backend, cap, q[1], 2), "p25_ms": q[0], "p75_ms": q[2]}
+
+    steps_rows = [timed("bucketed+overlap", "gloo", 2**20, (4.9, 5.0, 5.1)),
+                  timed("bucketed", "gloo", 2**20, (3.9, 4.0, 4.2)),
+                  timed("DDP", "gloo", 2**20, (2.8, 3.0, 3.3))]
+    shard_rows = [{"workload": "franke", "ranks": 2, "strategy": s, "median_ms": ms,
+                   "ratio_to_ddp": ms / 10, "max_diff_vs_ddp": 0.0}
+                  for s, ms in (("ddp", 10.0), ("zero1", 13.0), ("torch-zero", 10.0))]
+    for with_targets in (False, True):
+        stepbench.report(steps_rows, str(tmp_path / "steps.csv"), with_targets)
+        sharding.report(shard_rows, str(tmp_path / "sharding.csv"), with_targets)
+        out = capsys.readouterr().out
+        flagged = RULES["a development target"].findall(out)
+        assert bool(flagged) == with_targets, (with_targets, out)

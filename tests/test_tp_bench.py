@@ -57,6 +57,9 @@ def test_the_quick_mode_runs_and_its_counts_are_the_theory(tmp_path: Path) -> No
         sent, saved = closed_form(r["mode"], int(r["ranks"]))
         assert int(r["bytes_sent"]) == round(sent), r
         assert int(r["activation_bytes"]) == round(saved), r
+        if r["backend"] == "mpi" and r["mode"] != "dp":  # torch's runs on Gloo only: not beside it
+            assert not r["verdict"] and not r["compared_with"], r
+            continue
         assert r["verdict"] and float(r["ratio"]) > 0
     printed = done.stdout
     assert "bytes sent = theory on every row of ours: True" in printed, printed

@@ -1,6 +1,7 @@
 """A comparison printed to a learner decides only beyond the spread of its repeats."""
 
 import ast
+import itertools
 import re
 from pathlib import Path
 
@@ -9,14 +10,38 @@ import pytest
 
 from pcourse.tools.workshop import course
 from pcourse.tools.workshop.outputs import notebook_code
-from pcourse.utils.verdict import differs, faster, faster_quartiles, smaller
+from pcourse.utils.verdict import (
+    FALSE_CALL,
+    chance_apart,
+    differs,
+    faster,
+    faster_quartiles,
+    smaller,
+)
 
 
 def test_decides_only_when_every_repeat_is_on_one_side() -> None:
-    assert faster([1.0, 1.1], [2.0, 2.2], ("A", "B")).startswith("A is faster than B: 0.50×")
-    assert faster([2.0, 2.2], [1.0, 1.1], ("A", "B")).startswith("B is faster than A: 0.50×")
-    said = faster([1.0, 2.1], [2.0, 2.2], ("A", "B"))
-    assert said.startswith("no difference was measured between A and B"), said
+    a, b = [1.0, 1.1, 1.0, 1.1], [2.0, 2.2, 2.0, 2.2]
+    assert faster(a, b, ("A", "B")).startswith("A is faster than B: 0.50×")
+    assert faster(b, a, ("A", "B")).startswith("B is faster than A: 0.50×")
+    said = faster([1.0, 2.1, 1.1, 1.2], b, ("A", "B"))
+    assert said.startswith("not decided between A and B: their repeats overlap"), said
+    assert "ratio of the medians 0.55" in said, said
+
+
+def test_too_few_repeats_decide_nothing() -> None:
+    """Equal timings fall apart by chance 2 / C(n + m, n) of the time: 10% at 3 and 3
+    (every one of the 20 orders of six values, two of which are apart), a verdict's most
+    is 5%; 4 and 4 (2 of 70) decide."""
+    orders = list(itertools.permutations(range(6)))
+    apart = sum(1 for o in orders if max(o[:3]) < min(o[3:]) or max(o[3:]) < min(o[:3]))
+    assert abs(apart / len(orders) - chance_apart(3, 3)) < 1e-12  # counted, not assumed
+    assert chance_apart(3, 3) > FALSE_CALL >= chance_apart(4, 4)
+    far = ([1.0, 1.1, 1.2], [5.0, 5.1, 5.2])
+    assert smaller(*far) == 0
+    said = faster(*far, ("A", "B"))
+    assert said.startswith("not decided between A and B: 3 and 3 repeats are too few"), said
+    assert smaller([1.0, 1.1, 1.2, 1.3], [5.0, 5.1, 5.2, 5.3]) == -1
 
 
 def test_needs_a_spread() -> None:
@@ -28,18 +53,18 @@ def test_quartiles_decide_only_when_the_interquartile_ranges_are_apart() -> None
     said = faster_quartiles((1.0, 1.1, 1.2), (1.5, 1.6, 1.8), ("ours", "DDP"))
     assert said.startswith("ours is faster than DDP: 0.69×") and "every quartile" in said
     said = faster_quartiles((1.0, 1.1, 1.6), (1.5, 1.6, 1.8), ("ours", "DDP"))
-    assert said.startswith("no difference was measured between ours and DDP"), said
+    assert said.startswith("not decided between ours and DDP: their quartiles overlap"), said
     with pytest.raises(ValueError, match="p25, median, p75"):
         faster_quartiles((1.2, 1.1, 1.0), (1.5, 1.6, 1.8))
 
 
 def test_a_stated_tolerance_decides_one_off_values() -> None:
-    assert smaller([1, 2], [3, 4]) == -1 and smaller([3, 4], [1, 2]) == 1
-    assert smaller([1, 3], [2, 4]) == 0
+    assert smaller([1, 2, 1, 2], [3, 4, 3, 4]) == -1 and smaller([3, 4, 3, 4], [1, 2, 1, 2]) == 1
+    assert smaller([1, 3, 1, 3], [2, 4, 2, 4]) == 0
     assert differs(1.2, 1.0, 0.1, ("k=16", "k=4")).startswith("k=16 is larger than k=4: 1.20×")
     assert differs(0.8, 1.0, 0.1).startswith("A is smaller than B: 0.80×")
     # 1.107 against a 10% threshold: no verdict where the digits sit on the threshold
-    assert differs(1.107, 1.0, 0.2).startswith("no difference was measured")
+    assert differs(1.107, 1.0, 0.2) == "A is within the tolerance of 20% of B (1.11×)"
     assert differs(1.3, 1.0, 0.1, ratio=False) == \
         "A is larger than B: beyond the tolerance of 10%"
     with pytest.raises(ValueError, match="positive tolerance"):
@@ -191,6 +216,68 @@ def bypasses(path: Path) -> list[str]:
     return _Lesson(nbformat.read(path, as_version=4)).bypasses()
 
 
+# ---------------------------------------------------------------- timings against a tolerance
+# ``differs`` is for one-off values (a loss, a count) against a stated tolerance. A timing
+# has repeats, and their spread decides (``faster``, ``faster_quartiles``): a fixed 10% on
+# single medians called the same step both "larger" and "smaller" on two ranks (lesson
+# 07), and two lessons opposite at 1 MiB (03, 04). A ``differs`` whose values come from a
+# clock — the names it is given followed to their assignments in the lesson — is refused.
+TIMING = re.compile(r"_ms\b|_us\b|\bms\b|seconds|perf_counter|\btimes?\b|_times?\b|\btime_|"
+                    r"per_step|latency|bubble|elapsed|wall", re.I)
+
+
+def timing_tolerances(path: Path) -> list[str]:
+    lesson = _Lesson(nbformat.read(path, as_version=4))
+    sources = {k: list(v) for k, v in lesson.assigned.items()}
+    for _, _, tree in lesson.cells:  # a loop's variable comes from what it loops over;
+        for n in ast.walk(tree):  # a lesson's function's result, from its body
+            if isinstance(n, ast.FunctionDef):
+                sources.setdefault(n.name, []).append(n)
+            if isinstance(n, ast.For | ast.comprehension):
+                for name in ast.walk(n.target):
+                    if isinstance(name, ast.Name):
+                        sources.setdefault(name.id, []).append(n.iter)
+    found = []
+    for i, code, tree in lesson.cells:
+        params = {id(c): {a.arg for a in f.args.args} for f in ast.walk(tree)
+                  if isinstance(f, ast.FunctionDef) for c in ast.walk(f)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call) and (
+                    (isinstance(n.func, ast.Name) and n.func.id == "differs")
+                    or (isinstance(n.func, ast.Attribute) and n.func.attr == "differs")):
+                own = params.get(id(n), set())  # a function's parameters: not the lesson's names
+                said = " ".join(_followed(sources, a, set(own)) for a in n.args[:2])
+                if TIMING.search(said):
+                    found.append(f"cell {i}: {ast.get_source_segment(code, n)[:100]}")
+    return found
+
+
+def _followed(sources: dict[str, list[ast.AST]], node: ast.AST, seen: set[str]) -> str:
+    """The expression's source, and that of every name it reads values from (not an index
+    into them), followed to where they are assigned or looped over."""
+    text = [ast.unparse(node)]
+    if isinstance(node, ast.FunctionDef):  # its body says what it returns; not followed on
+        return text[0]
+    indices = {id(x) for s in ast.walk(node) if isinstance(s, ast.Subscript)
+               for x in ast.walk(s.slice)}
+    bound = {x.id for c in ast.walk(node) if isinstance(c, ast.comprehension)
+             for x in ast.walk(c.target) if isinstance(x, ast.Name)}  # its own loop's
+    for name in (n.id for n in ast.walk(node) if isinstance(n, ast.Name)
+                 and id(n) not in indices and n.id not in bound):
+        if name not in seen:
+            seen.add(name)
+            text += [_followed(sources, v, seen) for v in sources.get(name, [])]
+    return " ".join(text)
+
+
+@pytest.mark.parametrize("lesson", course.load(REPO).lessons, ids=lambda x: x.number)
+def test_no_lesson_decides_a_timing_with_a_fixed_tolerance(lesson):
+    found = timing_tolerances(REPO / lesson.path)
+    assert not found, (f"{lesson.name} compares timings with differs (a fixed tolerance on "
+                       "one value each); decide them with faster or faster_quartiles, beyond "
+                       "the spread of their repeats:\n" + "\n".join(found))
+
+
 @pytest.mark.parametrize("lesson", course.load(REPO).lessons, ids=lambda x: x.number)
 def test_every_verdict_a_lesson_prints_goes_through_the_helper(lesson):
     found = bypasses(REPO / lesson.path)
@@ -230,3 +317,21 @@ def test_the_verdict_rule_catches_what_it_is_for(tmp_path):
                  "# exact: counted, not timed\nprint('fewer messages:', n < m)",
                  "print('identical:', a == b, 'small:', b < dist._DEFAULT_CAP + c)",
                  "%%px\nprint('ranks', r)") == []
+
+
+def test_the_timing_rule_catches_what_it_is_for(tmp_path):
+    def found(*cells: str) -> list[str]:
+        from nbformat.v4 import new_code_cell, new_notebook
+
+        path = tmp_path / "nb.ipynb"
+        nbformat.write(new_notebook(cells=[new_code_cell(c) for c in cells]), path)
+        return timing_tolerances(path)
+
+    assert len(found("t0 = time.perf_counter()\nrun()\nt = time.perf_counter() - t0",
+                     "print(differs(t, base, 0.1))",
+                     "for r in rows:\n    print(differs(r['step_ms'], b['step_ms'], 0.1))",
+                     "def timed():\n    return time_call(comm, f, 3, 10)\nm = timed()",
+                     "print(verdict.differs(m, 1.0, 0.2))")) == 3
+    assert found("loss = model(x).item()", "print(differs(loss, ref, 0.01))",
+                 "def close(a, b):\n    return differs(a, b, TOL)",
+                 "a = step_ms\nprint(close(loss, ref))") == []

@@ -6,12 +6,14 @@ from this rank, by collective. The ring's figures are lesson 03's, read from
 :func:`pcourse.collectives.cost_terms` (an allreduce: 2(p-1)/p of its bytes) and
 :func:`pcourse.collectives.half_cost_terms` (a reduce-scatter or an all-gather, one
 half each: (p-1)/p), never derived again here. Lesson 10 counts ZeRO's and FSDP's
-messages with it.
+messages with it. :func:`calls_seen` counts instead what torch.distributed's process
+groups record in torch's profiler: a library's calls and ours alike (lessons 11, 12).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from pcourse.backends.base import Backend, Work
 from pcourse.collectives import cost_terms, half_cost_terms
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = ["CountingBackend"]
+__all__ = ["CountingBackend", "calls_seen"]
 
 
 class CountingBackend(Backend):
@@ -108,3 +110,33 @@ class CountingBackend(Backend):
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+# The profiler's names of the floating dtypes: a collective of data, not an agreement check
+# (those are integers, and only the course's backends make them).
+_FLOATING = {"float", "double", "c10::Half", "c10::BFloat16"}
+
+
+def calls_seen(fn: Callable[[], Any]) -> tuple[Any, dict[str, int]]:
+    """Run ``fn()`` under torch's profiler; return its result and how many collectives
+    and point-to-point messages of floating data torch.distributed's process groups ran
+    meanwhile, by kind (``all_reduce``, ``allgather``, ``send``, ...), on every thread.
+
+    The process group's own record (``gloo:all_reduce``, ``nccl:send``, ...): the same
+    instrument for a library's code and for the course's (whose backends on Gloo and
+    NCCL are torch.distributed's), so a comparison between the two counts alike.
+    Integer ones are left out: the course's agreement checks, which a library has not.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from pcourse.runtime.private import profile_all_threads
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                 experimental_config=profile_all_threads()) as prof:
+        out = fn()
+    seen: dict[str, int] = {}
+    for e in prof.events():
+        lib, _, kind = e.name.partition(":")
+        if lib in ("gloo", "nccl") and kind and set(e.input_dtypes[:1]) <= _FLOATING:
+            seen[kind] = seen.get(kind, 0) + 1
+    return out, dict(sorted(seen.items()))

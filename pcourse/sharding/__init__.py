@@ -31,7 +31,8 @@ The wire: DDP, ZeRO-1 and ZeRO-2 send 2(p-1)/p·Ψ elements per rank and step (a
 allreduce is a reduce-scatter plus an all-gather); FSDP 3(p-1)/p·Ψ (two all-gathers
 and one reduce-scatter). :class:`pcourse.backends.counting.CountingBackend`
 counts what goes through a backend (the ring's bytes for the sizes it is handed);
-:func:`state_bytes` what is held at rest, :func:`peak_bytes` the most a step holds.
+:func:`state_bytes` what is held at rest, :func:`held_in_step` the most a step holds
+(the allocator's count, :class:`AllocatorLog`) and :func:`peak_theory_bytes` why.
 
 Both classes take a pcourse backend, a torch.distributed process group, or nothing
 (torch's default group, as under torchrun: :func:`pcourse.backends.groups.as_backend`).
@@ -41,8 +42,15 @@ and ZeRO-2, and the slicing all three share), :mod:`.fsdp` (ZeRO-3) and
 """
 
 from pcourse.sharding.fsdp import FullyShardedDataParallel
-from pcourse.sharding.memory import peak_bytes, peak_theory_bytes, state_bytes, theory_bytes
+from pcourse.sharding.memory import (
+    AllocatorLog,
+    held_in_step,
+    peak_bytes,
+    peak_theory_bytes,
+    state_bytes,
+    theory_bytes,
+)
 from pcourse.sharding.zero import ShardedOptimizer, shard_range
 
-__all__ = ["FullyShardedDataParallel", "ShardedOptimizer", "peak_bytes", "peak_theory_bytes",
-           "shard_range", "state_bytes", "theory_bytes"]
+__all__ = ["AllocatorLog", "FullyShardedDataParallel", "ShardedOptimizer", "held_in_step",
+           "peak_bytes", "peak_theory_bytes", "shard_range", "state_bytes", "theory_bytes"]

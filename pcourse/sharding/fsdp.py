@@ -13,6 +13,7 @@ collectives (:class:`_Gather`) and the module wrapper (:class:`FullyShardedDataP
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +26,7 @@ from pcourse.sharding.zero import IN_FLIGHT, _flat, shard_range
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["FullyShardedDataParallel"]
+__all__ = ["FullyShardedDataParallel", "MinimalUnit"]
 
 
 @dataclass
@@ -67,8 +68,10 @@ class _Unit:
     parameters where the module's parameters were. What autograd saves of them for
     the backward is packed as a place (offset, size, stride) instead of the tensor,
     so the gathered parameters are freed as soon as the forward ends; the first
-    unpacking in the backward all-gathers them again, and :class:`_Gather`'s
-    backward (the unit's last) frees them once more.
+    unpacking in the backward all-gathers them again, and they are freed once more as
+    soon as every use of them in the backward is done, before the parameters'
+    gradients are joined into the one the reduce-scatter reads: a unit's backward
+    holds two units' worth at a time (gathered + gradients, then gradients + joined).
     """
 
     def __init__(self, module: nn.Module, params: list[tuple[nn.Parameter, list]],
@@ -115,12 +118,15 @@ class _Unit:
         """Before the forward: gather, put the views in place, pack what autograd saves."""
         self.calls += 1
         call, full = self.calls, _Gather.apply(self.shard, self, self.calls)
-        offset = 0
-        for owners, shape, n in self.places:
-            view = full[offset:offset + n].view(shape)
+        sizes = [n for _, _, n in self.places]
+        # one split, not a slice per parameter: each slice's backward would fill a zero
+        # gradient the size of the whole unit; split's backward joins them once
+        views = full.split([*sizes, self.padded - sum(sizes)])
+        for (owners, shape, _), view in zip(self.places, views, strict=False):
             for mod, name in owners:
-                setattr(mod, name, view)
-            offset += n
+                setattr(mod, name, view.view(shape))
+        if views[0].grad_fn is not None:  # split's backward runs once every use is done
+            views[0].grad_fn.register_prehook(partial(self._used, call))
         ptr = full.untyped_storage().data_ptr()
 
         saved, ahead = self.schedule.saved, self.schedule.prefetch
@@ -146,6 +152,12 @@ class _Unit:
         self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self.hooks.__enter__()
 
+    def _used(self, call: int, grads: Any) -> None:
+        """Before the parameters' gradients are joined into one: every use of the
+        gathered copy in this backward is done, so free it (torch's FSDP2 reshards at
+        the same moment, before it copies the gradients out)."""
+        self.again.pop(call, None)
+
     def _prefetch_backward(self, call: int) -> None:
         """Start gathering the units whose backward comes next (the forward's, reversed)."""
         saved, depth = self.schedule.saved, self.schedule.prefetch
@@ -170,6 +182,49 @@ class _Unit:
         for owners, _, _ in self.places:
             for mod, name in owners:
                 setattr(mod, name, None)
+
+
+class MinimalUnit:
+    """FSDP's idea in one unit, as small as it goes: what lesson 10 shows before the
+    production class below.
+
+    The module's own parameters become this rank's slice of one flat vector
+    (``shard``, what the optimizer steps). Before each forward they are all-gathered
+    and put back in place as views of the gathered vector; a hook on that vector
+    reduce-scatters (averages) its gradient into the slice's ``.grad`` and lets the
+    gathered vector go. So the parameters are whole from the forward to the backward:
+    :class:`FullyShardedDataParallel` frees them in between and gathers them again in
+    the backward (saved-tensor hooks), prefetches, overlaps, and handles nested,
+    tied and frozen parameters, none of which this does.
+    """
+
+    def __init__(self, module: nn.Module, backend: Backend) -> None:
+        self.module, self.backend = module, backend
+        self.names = [n for n, _ in module.named_parameters(recurse=False)]
+        params = [getattr(module, n).detach() for n in self.names]
+        self.shapes, self.sizes = [q.shape for q in params], [q.numel() for q in params]
+        lo, hi, self.padded = shard_range(sum(self.sizes), backend.rank, backend.size)
+        self.shard = nn.Parameter(_flat(params, self.padded, params[0])[lo:hi].clone())
+        for n in self.names:  # the module holds no whole parameter between steps
+            delattr(module, n)
+            setattr(module, n, None)
+        module.register_forward_pre_hook(self._gather)
+
+    def _gather(self, module: nn.Module, args: tuple) -> None:
+        full = self.shard.new_empty(self.padded)
+        self.backend.all_gather(full, self.shard.detach())
+        full.requires_grad_()
+        full.register_hook(self._reduce)  # its gradient, once backward has made it whole
+        pieces = full.split([*self.sizes, self.padded - sum(self.sizes)])
+        for n, piece, shape in zip(self.names, pieces, self.shapes, strict=False):
+            setattr(module, n, piece.view(shape))
+
+    def _reduce(self, grad: torch.Tensor) -> None:
+        mine = torch.empty_like(self.shard)
+        self.backend.reduce_scatter(mine, grad.contiguous(), "avg")
+        self.shard.grad = mine if self.shard.grad is None else self.shard.grad + mine
+        for n in self.names:  # let the gathered vector go
+            setattr(self.module, n, None)
 
 
 class _Gather(torch.autograd.Function):

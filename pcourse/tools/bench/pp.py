@@ -4,14 +4,17 @@ On p ranks of an MPI job (or p engines of the lesson), one pipeline of p equal
 stages (:mod:`pcourse.pipeline`) runs steps of GPipe and 1F1B at several micro-batch
 counts m. Per step, every rank records its timeline; from it come the **bubble** (the
 idle fraction of the step on each rank: 1 - its forward and backward time / the step's
-time, the step ending when the last rank ends) beside (p - 1)/(m + p - 1), and the
-**peak activation memory** per rank (the bytes autograd saved for the micro-batches
-held at once, counted after every action) beside the prediction: GPipe m, 1F1B
-min(m, p - rank) micro-batches, each (layers + 1 (+ 1 on the last stage, its targets))
-tensors of rows x width values. Then torch's own, ``torch.distributed.pipelining``
-(``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``), on Gloo, on the same model
-and batch: its gradients against ours, and its step time beside ours in one run; or,
-where it does not run, its error. A benchmark's figures, never a test's verdict.
+time, the step ending when the last rank ends) beside (p - 1)/(m + p - 1) and beside the
+bubble of the stages as measured (:func:`pcourse.pipeline.simulated_step` with each
+stage's own action times), and the **peak memory** per rank: the allocator's most above
+the step's start, beside the activations held at the peak (GPipe m, 1F1B min(m, p - rank)
+micro-batches, each (layers + 1 (+ 1 on the last stage, its targets)) tensors of rows x
+width values, the count of what autograd saved beside it) and the stage's gradients.
+Then torch's own, ``torch.distributed.pipelining`` (``PipelineStage``, ``ScheduleGPipe``,
+``Schedule1F1B``), on Gloo, on the same model and batch: its gradients against ours, the
+messages each sends (read alike for both from torch's profiler), and its step time
+beside ours in one run, neither instrumented; or, where it does not run, its error. A
+benchmark's figures, never a test's verdict.
 
 With fewer cores than stages the stages take turns on the cores, and a stage waits
 for a core as well as for its neighbours: the bubble measured is then not the
@@ -47,7 +50,7 @@ class Spec:
 
     @classmethod
     def quick(cls) -> Spec:
-        return cls(width=128, batch=256, repeats=3)
+        return cls(width=128, batch=256, repeats=5)
 
 
 def usable_cores() -> int:
@@ -86,8 +89,10 @@ def first_ranks(p: int, others: bool = False) -> Any:
 
 
 def timed_steps(p: int, spec: Spec, backend: str = "mpi") -> dict | None:
-    """On the first p ranks: per schedule and m, the median step's timeline and the peak
-    of the micro-batches (and bytes) held; None on the other ranks. Collective."""
+    """On the first p ranks: per schedule and m, the median step's timeline, each action's
+    median time, and what the step held: the micro-batches and their bytes (counted as
+    autograd saves them) and the allocator's peak above the step's start (a step of its
+    own, measured apart from the timed ones); None on the other ranks. Collective."""
     import torch
     from mpi4py import MPI
     from torch import nn
@@ -101,6 +106,7 @@ def timed_steps(p: int, spec: Spec, backend: str = "mpi") -> dict | None:
         run_step,
         split_model,
     )
+    from pcourse.sharding import peak_bytes
 
     comm = first_ranks(p)
     if comm == MPI.COMM_NULL:
@@ -114,21 +120,32 @@ def timed_steps(p: int, spec: Spec, backend: str = "mpi") -> dict | None:
         stage = Stage(module, group, (spec.width,), nn.functional.mse_loss)
         for schedule in SCHEDULES:
             for m in spec.ms:
+                order = orders[schedule](p, comm.rank, m)
                 steps = []
                 for _ in range(spec.repeats + 1):  # the first warms up, and is dropped
                     module.zero_grad()
                     group.barrier()
                     tl = Timeline()
-                    run_step(stage, orders[schedule](p, comm.rank, m), m, spec.batch, x, y, tl)
+                    run_step(stage, order, m, spec.batch, x, y, tl)
                     end = comm.allreduce(tl.end_ms(), op=MPI.MAX)  # the step ends with the last
                     steps.append({"events": tl.events, "step_ms": end, "busy_ms": tl.busy_ms(),
                                   "held": max(tl.held), "held_bytes": max(tl.held_bytes)})
                 steps = steps[1:]
                 mid = sorted(steps, key=lambda s: s["step_ms"])[len(steps) // 2]
                 mid["bubbles"] = [1 - s["busy_ms"] / s["step_ms"] for s in steps]
+                mid["idle_ms"] = [s["step_ms"] - s["busy_ms"] for s in steps]
+                mid["t_f"], mid["t_b"] = (statistics.median(
+                    e["ms"] for s in steps for e in s["events"] if e["name"].startswith(k))
+                    for k in ("F ", "B "))
+                module.zero_grad()  # the gradients a step makes are part of its peak
+                group.barrier()
+                mid["peak_bytes"] = peak_bytes(lambda order=order, m=m: run_step(
+                    stage, order, m, spec.batch, x, y))
                 out["runs"][schedule, m] = mid
         out["layers"] = len(module)
         out["itemsize"] = x.element_size()
+        out["grad_bytes"] = sum(q.numel() for q in module.parameters()) * x.element_size()
+        out["largest"] = max(q.numel() for q in module.parameters()) * x.element_size()
     comm.Free()
     return out
 
@@ -144,36 +161,77 @@ def predicted_bytes(schedule: str, p: int, rank: int, m: int, layers: int, spec:
     return in_flight_prediction(schedule, p, rank, m) * tensors * rows * spec.width * itemsize
 
 
-def bubble_rows(results: list[dict | None], spec: Spec) -> list[dict]:
-    """Per schedule, m and rank: the bubble and the peak memory, measured and predicted."""
-    from pcourse.pipeline import bubble_fraction, in_flight_prediction
+def transient_bytes(m: int, spec: Spec, itemsize: int, largest: int) -> int:
+    """What a backward holds for a moment beyond the activations and the gradients: the
+    output's gradient received, two gradients on their way through a block, and a
+    weight's gradient before it is added to ``.grad`` (``largest`` bytes), plus 4 KiB of
+    small ones (the biases' gradients, the loss)."""
+    from pcourse.pipeline import micro_sizes
 
+    return 3 * max(micro_sizes(spec.batch, m)) * spec.width * itemsize + largest + 4096
+
+
+def bubble_rows(results: list[dict | None], spec: Spec) -> list[dict]:
+    """Per schedule, m and rank: the bubble measured, by the formula and simulated with
+    the stages' measured action times; the memory, counted and by the allocator, beside
+    the prediction."""
+    from pcourse.pipeline import (
+        bubble_fraction,
+        gpipe_order,
+        in_flight_prediction,
+        one_f_one_b_order,
+        simulated_step,
+    )
+
+    ranks = sorted((r for r in results if r is not None), key=lambda r: r["rank"])
+    orders = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
     rows = []
-    for r in (r for r in results if r is not None):
+    for r in ranks:
         p = r["p"]
         for (schedule, m), run in sorted(r["runs"].items()):
+            stages = [q["runs"][schedule, m] for q in ranks]
+            step, busy = simulated_step([orders[schedule](p, k, m) for k in range(p)],
+                                        [s["t_f"] for s in stages], [s["t_b"] for s in stages])
+            activations = predicted_bytes(schedule, p, r["rank"], m, r["layers"], spec,
+                                          r["itemsize"])
             rows.append({
                 "schedule": schedule, "p": p, "m": m, "rank": r["rank"],
                 "bubble": round(statistics.median(run["bubbles"]), 3),
                 "bubble_predicted": round(bubble_fraction(p, m), 3),
+                "bubble_simulated": round(1 - busy[r["rank"]] / step, 3),
+                "idle_ms": round(statistics.median(run["idle_ms"]), 2),
+                "busy_ms": round(run["busy_ms"], 2),
+                "t_f": round(run["t_f"], 3), "t_b": round(run["t_b"], 3),
                 "step_ms": round(run["step_ms"], 2),
                 "held": run["held"], "held_predicted": in_flight_prediction(schedule, p,
                                                                             r["rank"], m),
-                "bytes": run["held_bytes"],
-                "bytes_predicted": predicted_bytes(schedule, p, r["rank"], m, r["layers"], spec,
-                                                   r["itemsize"])})
+                "bytes": run["held_bytes"], "bytes_predicted": activations,
+                "peak": run["peak_bytes"], "peak_predicted": activations + r["grad_bytes"],
+                "transients": transient_bytes(m, spec, r["itemsize"], r["largest"])})
     return rows
+
+
+def per_micro_batch_ms(rows: list[dict], schedule: str, rank: int) -> float:
+    """The fixed cost a micro-batch adds to a stage's busy time, ms: the slope of busy
+    time against m (least squares), the same work cut into more pieces."""
+    pts = [(r["m"], r["busy_ms"]) for r in rows if (r["schedule"], r["rank"]) == (schedule, rank)]
+    mm = statistics.mean(m for m, _ in pts)
+    mb = statistics.mean(b for _, b in pts)
+    return (sum((m - mm) * (b - mb) for m, b in pts) / sum((m - mm) ** 2 for m, _ in pts))
 
 
 def versus_torch(p: int, m: int, spec: Spec, repeats: int) -> dict | None:
     """On the first p ranks, on Gloo: ours and torch.distributed.pipelining, both schedules,
     on the same model and batch in float64: each one's largest gradient difference from
-    one process, and step times in turns. torch's error, if it does not run."""
+    one process, the messages each step sends (torch's profiler's record of the process
+    group, the same for both), and step times in turns, neither instrumented (our stage
+    bare: no timeline, no counting). torch's error, if it does not run."""
     import torch
     from mpi4py import MPI
     from torch import nn
 
     from pcourse.backends import make_backend
+    from pcourse.backends.counting import calls_seen
     from pcourse.pipeline import Stage, gpipe_order, one_f_one_b_order, run_step, split_model
 
     comm = first_ranks(p, others=True)
@@ -190,9 +248,10 @@ def versus_torch(p: int, m: int, spec: Spec, repeats: int) -> dict | None:
     first = sum(len(split_model(layers, p, r)) for r in range(comm.rank))
     mine = split_model(layers, p, comm.rank)
     want = [q.grad for layer in whole[first:first + len(mine)] for q in layer.parameters()]
-    out: dict[str, Any] = {"errors": {}, "times": {}, "error": ""}
+    out: dict[str, Any] = {"errors": {}, "times": {}, "calls": {}, "error": ""}
     with make_backend("gloo", comm=comm, timeout=60) as group:
-        stage = Stage(mine, group, (spec.width,), nn.functional.mse_loss, torch.float64)
+        stage = Stage(mine, group, (spec.width,), nn.functional.mse_loss, torch.float64,
+                      instrumented=False)
         ours = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
         runs = {f"ours {s}": (lambda s=s: run_step(stage, ours[s](p, comm.rank, m), m,
                                                    spec.batch, x, y)) for s in SCHEDULES}
@@ -210,6 +269,9 @@ def versus_torch(p: int, m: int, spec: Spec, repeats: int) -> dict | None:
             out["errors"][name] = max((q.grad - w).abs().max().item()
                                       for q, w in zip(mine.parameters(), want, strict=True))
         good = [n for n in runs if n in out["errors"]]
+        for name in good:
+            mine.zero_grad()
+            out["calls"][name] = calls_seen(runs[name])[1]
         out["times"] = {n: [] for n in good}
         for _ in range(repeats + 1):
             for name in good:
@@ -281,32 +343,42 @@ def measure(comm: Any, spec: Spec, progress: jobs.Progress) -> None:
     versus = versus_torch(spec.ranks, max(spec.ms), spec, spec.repeats)
     if comm.rank == 0:
         progress.outcome.rows = bubble_rows(timed, spec)
-        load = os.getloadavg()[0]
-        busy = (f"load average {load:.1f} on {cores} cores: other processes shared them, so "
-                "the bubbles measured are above the schedule's" if load > cores else
-                f"load average {load:.1f} on {cores} cores")
-        progress.outcome.notes = [cores_note(spec.ranks, cores), busy] + versus_lines(versus)
+        load = os.getloadavg()[0]  # a fact to read the bubbles by, not a verdict on them
+        notes = [cores_note(spec.ranks, cores), f"load average {load:.1f} on {cores} cores"]
+        progress.outcome.notes = notes + versus_lines(versus)
 
 
 def versus_lines(v: dict | None) -> list[str]:
+    from pcourse.utils.verdict import faster
+
     if v is None:
         return []
-    lines = [f"{n}: largest gradient difference from one process {e:.1e}"
+    lines = [f"{n}: largest gradient difference from one process {e:.1e}; messages a step "
+             f"(the process group's record): {v['calls'].get(n, {})}"
              for n, e in v["errors"].items()]
-    lines += [f"{n}: median step {statistics.median(t) * 1e3:.2f} ms"
-              for n, t in v["times"].items()]
+    for s in SCHEDULES:
+        ours, theirs = v["times"].get(f"ours {s}"), v["times"].get(f"torch's {s}")
+        if ours and theirs and min(len(ours), len(theirs)) >= 2:
+            lines.append(f"{s}: ours {statistics.median(ours) * 1e3:.2f} ms, torch's "
+                         f"{statistics.median(theirs) * 1e3:.2f} ms (medians of "
+                         f"{len(ours)}): " + faster(ours, theirs, ("ours", "torch's")))
     if v["error"]:
         lines.append(f"torch.distributed.pipelining on Gloo failed here: {v['error']}")
     return lines
 
 
 def report(outcome: jobs.Outcome) -> None:
-    print(f"{'schedule':8} {'p':>2} {'m':>2} {'rank':>4} {'bubble':>7} {'predicted':>9} "
-          f"{'held':>4} {'pred':>4} {'peak bytes':>11} {'predicted':>11}")
+    print(f"{'schedule':8} {'p':>2} {'m':>2} {'rank':>4} {'bubble':>7} {'formula':>8} "
+          f"{'simulated':>9} {'idle ms':>8} {'held':>4} {'pred':>4} {'peak bytes':>11} "
+          f"{'predicted':>11} {'within':>9}")
     for r in outcome.rows:
         print(f"{r['schedule']:8} {r['p']:>2} {r['m']:>2} {r['rank']:>4} {r['bubble']:>7.3f} "
-              f"{r['bubble_predicted']:>9.3f} {r['held']:>4} {r['held_predicted']:>4} "
-              f"{r['bytes']:>11} {r['bytes_predicted']:>11}")
+              f"{r['bubble_predicted']:>8.3f} {r['bubble_simulated']:>9.3f} {r['idle_ms']:>8.2f} "
+              f"{r['held']:>4} {r['held_predicted']:>4} {r['peak']:>11} {r['peak_predicted']:>11} "
+              f"{r['transients']:>9}")
+    print("peak bytes: the allocator's, above the step's start; predicted: the activations "
+          "held at the peak and the stage's gradients, within a backward's transients "
+          "(transient_bytes) either way")
     for line in outcome.notes:
         print(line)
 

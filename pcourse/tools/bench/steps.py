@@ -434,10 +434,14 @@ def print_against_ddp(rows: list[dict]) -> None:
                                      ("bucketed+overlap", "bucketed")))
 
 
-def report(rows: list[dict], out: str) -> None:
+def report(rows: list[dict], out: str, with_targets: bool = False) -> None:
+    """The table and lesson 07's comparison with DDP; ``with_targets`` (``--targets``):
+    the course's development target too, for its developers, never a learner's output."""
     rows = with_ratios(rows)
     print_table(rows)
-    print_targets(rows)
+    print_against_ddp(rows)
+    if with_targets:
+        print_targets(rows)
     print(f"wrote {save(out, lambda path: write_csv(path, rows, FIELDS))}")
 
 
@@ -494,6 +498,8 @@ def parser() -> argparse.ArgumentParser:
     preset.add_argument("--smoke", action="store_true",
                         help="the tests' run: 2 ranks, few steps, 2 caps (StepSpec.smoke())")
     p.add_argument("--out", default="results/steps.csv", help="the CSV to write")
+    p.add_argument("--targets", action="store_true",
+                   help="also the course's development target, met or not (for its developers)")
     p.add_argument("--timeout", type=jobs.seconds, default=900.0, help="seconds for the MPI job")
     p.add_argument("--oversubscribe", action="store_true",
                    help="run even with far more ranks than this machine has cores")
@@ -541,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     except jobs.BenchError as exc:
         p.error(str(exc))
     if launcher() == "mpi":  # a rank of our job, or of the user's own mpiexec
-        jobs.rank_main(measure, spec, lambda outcome: report(outcome.rows, args.out))
+        jobs.rank_main(measure, spec, lambda outcome: report(outcome.rows, args.out,
+                                                              args.targets))
     try:
         note = jobs.check_ranks(spec.ranks, args.oversubscribe)
         check_writable(args.out, "file")
@@ -555,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         "pcourse.tools.bench.steps", inner, max(spec.ranks), timeout=args.timeout,
         partial=args.out.removesuffix(".csv") + ".partial.csv",
         write=lambda path, rows: write_csv(path, with_ratios(rows), FIELDS),
-        report=lambda outcome: report(outcome.rows, args.out), what="step benchmark",
+        report=lambda outcome: report(outcome.rows, args.out, args.targets),
+        what="step benchmark",
         env={"OMP_NUM_THREADS": "1"})
 
 

@@ -47,7 +47,8 @@ MODES = ("tp", "sp", "dp")  # tensor-parallel, sequence-parallel, data-parallel
 ITEMSIZE = 4  # float32
 FIELDS = ["ranks", "backend", "mode", "impl", "repeats", "median_ms", "min_ms", "max_ms",
           "compared_with", "ratio", "verdict", "bytes_sent", "bytes_theory",
-          "activation_bytes", "activation_rest", "activation_theory", "max_diff_vs_ours"]
+          "activation_bytes", "activation_rest", "activation_theory", "max_diff_vs_ours",
+          "calls_seen"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Spec:
     @classmethod
     def quick(cls) -> Spec:
         """Seconds long: the lesson's quick block, at 2 ranks."""
-        return cls(ranks=(2,), d=48, heads=12, hidden=96, seq=12, batch=12, repeats=3)
+        return cls(ranks=(2,), d=48, heads=12, hidden=96, seq=12, batch=12, repeats=5)
 
     def block_params(self) -> int:
         """Ψ of one block: four d×d projections, two MLP layers, two norms (biases too)."""
@@ -153,18 +154,42 @@ class Run:
         return y.detach()
 
 
-def _plan(sp: bool) -> dict[str, Any]:
-    """torch's plan for the block: lesson 11's ``versus_torch`` cell."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+def torch_plan(sp: bool) -> dict[str, Any]:
+    """torch's plan for the block, the same as ours: q, k and v share one entry into the
+    group (``PrepareModuleInput`` on the attention, as torch's tutorial does; a
+    ``ColwiseParallel`` on each would redistribute the shared input three times), and
+    with sequence parallelism the sequence is gathered once per sub-block. Lesson 11
+    and this benchmark use it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
-    cols = ColwiseParallel(input_layouts=Shard(0)) if sp else ColwiseParallel()
+    seq = Shard(0) if sp else Replicate()  # how a sub-block's input arrives
+    enter = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                               use_local_output=False)
     rows = RowwiseParallel(output_layouts=Shard(0)) if sp else RowwiseParallel()
-    plan = {"attn.q": cols, "attn.k": cols, "attn.v": cols, "attn.o": rows,
-            "mlp.fc1": cols, "mlp.fc2": rows}
+    plan = {"attn": enter, "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(), "attn.o": rows,
+            "mlp": enter, "mlp.fc1": ColwiseParallel(), "mlp.fc2": rows}
     if sp:
         plan |= {"ln1": SequenceParallel(sequence_dim=0), "ln2": SequenceParallel(sequence_dim=0)}
     return plan
+
+
+def reduce_partial_grads(model: Any) -> None:
+    """torch's side of ``sync_sequence_parallel_grads``: the gradients DTensor leaves as
+    partial sums (the parameters that see a slice of the sequence), summed in place, so
+    that a step of torch's does what a step of ours does."""
+    from torch.distributed.tensor import Replicate
+
+    for p in model.parameters():
+        placements = getattr(p.grad, "placements", ())
+        if any(pl.is_partial() for pl in placements):
+            p.grad = p.grad.redistribute(placements=[Replicate()] * len(placements))
 
 
 def build(mode: str, impl: str, block: Any, group: Any, spec: Spec, x: Any, w: Any) -> Run:
@@ -194,8 +219,8 @@ def build(mode: str, impl: str, block: Any, group: Any, spec: Spec, x: Any, w: A
 
     theirs = copy.deepcopy(block)
     theirs.attn.n_heads //= t  # each rank runs its own heads
-    parallelize_module(theirs, DeviceMesh.from_group(group.inner.group, "cpu"), _plan(sp))
-    return Run(theirs, x[mine].clone(), w[mine].clone())
+    parallelize_module(theirs, DeviceMesh.from_group(group.inner.group, "cpu"), torch_plan(sp))
+    return Run(theirs, x[mine].clone(), w[mine].clone(), lambda: reduce_partial_grads(theirs))
 
 
 def counted_step(run: Run, spec: Spec) -> dict[str, Any]:
@@ -223,7 +248,7 @@ def measure_ranks(comm: Any, spec: Spec, progress: jobs.Progress) -> None:
     import torch
 
     from pcourse.backends import make_backend
-    from pcourse.backends.counting import CountingBackend
+    from pcourse.backends.counting import CountingBackend, calls_seen
     from pcourse.workloads.transformer import Block
 
     t = comm.size
@@ -246,6 +271,10 @@ def measure_ranks(comm: Any, spec: Spec, progress: jobs.Progress) -> None:
                 diff = (run.step() - counted[name, mode, "ours"].pop("output")).abs().max()
                 diff = comm.allreduce(diff.item(), op=_max())  # every rank's part of the output
                 counted[name, mode, impl] = {"max_diff_vs_ours": f"{diff:.1e}"}
+        for (name, mode, impl), run in runs.items():  # what the process group ran: both alike
+            if name == "gloo":
+                counted.setdefault((name, mode, impl), {})["calls_seen"] = " ".join(
+                    f"{n} {k}" for k, n in calls_seen(run.step)[1].items())
         times: dict[tuple[str, str, str], list[float]] = {key: [] for key in runs}
         for round_ in range(spec.repeats):
             for key, run in runs.items():
@@ -274,7 +303,8 @@ def row(key: tuple[str, str, str], times: dict, counted: dict, t: int, spec: Spe
     other = None
     if impl == "ours" and mode == "dp":
         other, names = (backend, "tp", "ours"), ("data parallelism", "tensor parallelism")
-    elif impl == "ours" and ("gloo", mode, "torch's") in times:
+    elif impl == "ours" and backend == "gloo" and ("gloo", mode, "torch's") in times:
+        # like for like: torch's runs on Gloo, so only ours on Gloo is set beside it
         other, names = ("gloo", mode, "torch's"), ("ours", "torch's")
     if other is not None:
         theirs = times[other]
@@ -317,6 +347,10 @@ def report(rows: list[dict], out: str) -> None:
     for r in rows:
         if r.get("verdict"):
             print(f"t={r['ranks']} {r['backend']} {r['mode']}: {r['verdict']}")
+    for r in rows:
+        if r.get("calls_seen"):
+            print(f"t={r['ranks']} {r['mode']} {r['impl']}: a step's collectives, as the process "
+                  f"group recorded them: {r['calls_seen']}")
     ours = [r for r in rows if "bytes_sent" in r]
     print("bytes sent = theory on every row of ours:",
           all(r["bytes_sent"] == r["bytes_theory"] for r in ours))
@@ -370,3 +404,101 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def owners(whole: Any, parts: list[Any], dim: int) -> list[int]:
+    """For each row (``dim`` 0) or column (1) of ``whole``, the rank whose block of it
+    ``parts[rank]`` holds, found by the values (-1: nobody's, which would be a bug)."""
+    import torch
+
+    lines = whole.unbind(dim)
+    found = [-1] * len(lines)
+    for rank, part in enumerate(parts):
+        for mine in part.unbind(dim):
+            for i, line in enumerate(lines):
+                if found[i] < 0 and torch.equal(mine, line):
+                    found[i] = rank
+                    break
+    return found
+
+
+def plot_split(ax: Any, column: list[int], row: list[int]) -> None:
+    """A column-parallel layer then a row-parallel one, as the ranks hold them: the first
+    weight A (in x hidden) by its columns, the second B (hidden x out) by its rows, each
+    line coloured by the rank that holds it (``column``, ``row``: :func:`owners` of each),
+    and where f and g sit on the way."""
+    import matplotlib
+    import numpy as np
+
+    hidden = len(column)
+    a = np.array(column, dtype=float)[None, :].repeat(6, axis=0)  # A: every row has all columns
+    b = np.array(row, dtype=float)[:, None].repeat(6, axis=1)  # B: every column has all rows
+    t = max(max(column), max(row)) + 1
+    cmap = matplotlib.colormaps["tab10"]
+    ax.imshow(a, extent=(3, 3 + hidden, 0, 6), cmap=cmap, vmin=0, vmax=9, aspect="auto")
+    ax.imshow(b, extent=(6 + hidden, 12 + hidden, -hidden / 2 + 3, hidden / 2 + 3), cmap=cmap,
+              vmin=0, vmax=9, aspect="auto")
+    ax.text(3 + hidden / 2, 6.6, "A: column-parallel (its columns split)", ha="center", fontsize=8)
+    ax.text(9 + hidden, hidden / 2 + 3.6, "B: row-parallel (its rows split)", ha="center",
+            fontsize=8)
+    for x, label in ((1.2, "X, whole\non every rank\n→ f"), (4.5 + hidden, "XA_r\n(GELU)"),
+                     (13.8 + hidden, "partial sums\n→ g → Z")):
+        ax.text(x, 3, label, ha="center", va="center", fontsize=8)
+    for r in range(t):
+        ax.plot([], [], "s", color=cmap(r), label=f"rank {r}")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    ax.set(xlim=(-0.5, 16 + hidden), ylim=(min(0, 3 - hidden / 2) - 0.5, max(7, hidden / 2 + 4.2)))
+    ax.axis("off")
+
+
+def draw_mesh(ax: Any, coords: list[dict[str, int]], title: str = "") -> None:
+    """The ranks of a mesh (``coords[r]``: rank r's coordinate on each named dimension,
+    outermost first, as :class:`pcourse.mesh.Mesh` gives them), one box each: the
+    outermost dimension side by side, the next down the page (if there are three), the
+    innermost across; a shaded band joins each innermost group, lines the groups of the
+    other dimensions (solid: the middle one, dashed: the outermost)."""
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+    dims = list(coords[0])
+    if not 2 <= len(dims) <= 3:
+        raise ValueError(f"a mesh of 2 or 3 dimensions is drawn, got {dims}")
+    outer, inner = dims[0], dims[-1]
+    middle = dims[1] if len(dims) == 3 else None
+    n_inner = 1 + max(c[inner] for c in coords)
+    where = {}
+    for r, c in enumerate(coords):
+        x = c[outer] * (n_inner + 0.8) + c[inner]
+        y = -c[middle] * 1.4 if middle else 0.0
+        where[r] = (x, y)
+        ax.add_patch(FancyBboxPatch((x - 0.38, y - 0.3), 0.76, 0.6, boxstyle="round,pad=0.02",
+                                    fc=f"C{c[middle] if middle else 0}", alpha=0.35, ec="k"))
+        ax.text(x, y + 0.08, f"rank {r}", ha="center", va="center", fontsize=8)
+        ax.text(x, y - 0.13, " ".join(f"{d}{c[d]}" for d in dims), ha="center", va="center",
+                fontsize=6)
+    for a in where:
+        for b in where:
+            if a >= b:
+                continue
+            differ = [d for d in dims if coords[a][d] != coords[b][d]]
+            if len(differ) != 1:
+                continue
+            (xa, ya), (xb, yb) = where[a], where[b]
+            if differ[0] == inner:  # the innermost group: a band under its boxes
+                ax.add_patch(FancyBboxPatch((min(xa, xb) - 0.45, ya - 0.37), abs(xb - xa) + 0.9,
+                                            0.74, boxstyle="round,pad=0.02", fc="0.85",
+                                            ec="none", zorder=0))
+            elif differ[0] == middle:  # straight down, box edge to box edge
+                top, low = sorted([(ya, xa), (yb, xb)], reverse=True)
+                ax.plot([top[1], low[1]], [top[0] - 0.3, low[0] + 0.3], "-", color="0.3", lw=0.8)
+            else:  # the outermost: an arc over the boxes between
+                ax.add_patch(FancyArrowPatch((xa, ya + 0.3), (xb, yb + 0.3), arrowstyle="-",
+                                             connectionstyle="arc3,rad=-0.3", ls="--",
+                                             color="0.3", lw=0.8))
+    xs, ys = zip(*where.values(), strict=True)
+    ax.set(xlim=(min(xs) - 0.7, max(xs) + 0.7), ylim=(min(ys) - 0.6, max(ys) + 1.3),
+           aspect="equal")
+    ax.axis("off")
+    key = f"grey band: a {inner} group"
+    if middle:
+        key += f"; solid: a {middle} group"
+    ax.set_title((title + "\n" if title else "") + key + f"; dashed: a {outer} group", fontsize=8)
