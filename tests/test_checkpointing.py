@@ -41,7 +41,8 @@ def gradients(model: list[nn.Module], x: torch.Tensor, k: int, how: str) -> torc
     model = copy.deepcopy(model)
     x = x.clone().requires_grad_()
     run_segments(model, x, k, how).square().mean().backward()
-    return torch.cat([p.grad.reshape(-1) for b in model for p in b.parameters()] + [x.grad.reshape(-1)])
+    grads = [p.grad.reshape(-1) for b in model for p in b.parameters()]
+    return torch.cat(grads + [x.grad.reshape(-1)])
 
 
 @pytest.mark.parametrize("how, k", [("scratch", 1), ("scratch", 2), ("scratch", 3),

@@ -95,12 +95,16 @@ def test_a_links_check_costs_only_when_asked_for():
 def test_a_products_flops_are_counted_and_views_are_not_operators():
     a, b = torch.randn(8, 16), torch.randn(16, 4)
     counts, _ = count_ops(lambda: (a @ b).view(-1).unsqueeze(0).t())
-    assert [op.name for op in counts.ops] == ["mm"]  # view, unsqueeze, t: views
-    assert counts.flops == 2 * 8 * 16 * 4
-    assert counts.bytes == (8 * 16 + 16 * 4 + 8 * 4) * 4
-    m = machine()
+    assert [(op.name, op.view) for op in counts.ops] == [
+        ("mm", False), ("view", True), ("unsqueeze", True), ("t", True)]
+    assert counts.operators == 1 and counts.flops == 2 * 8 * 16 * 4
+    assert counts.bytes == (8 * 16 + 16 * 4 + 8 * 4) * 4 and counts.ops[0].fresh == 8 * 4 * 4
+    m = machine(view_overhead=1e-7, first_touch=1e-10)
     assert compute_time(counts, m) == pytest.approx(
-        m.op_overhead + max(counts.flops / m.rate(counts.flops), counts.bytes / m.bandwidth))
+        m.op_overhead + max(counts.flops / m.rate(counts.flops), counts.bytes / m.bandwidth)
+        + 8 * 4 * 4 * m.first_touch + 3 * m.view_overhead)
+    splits, _ = count_ops(lambda: torch.zeros(12).split(3))
+    assert [(op.name, op.tensors) for op in splits.ops if op.view] == [("split", 4)]
 
 
 def test_a_steps_counted_flops_are_the_closed_forms():

@@ -11,8 +11,11 @@ nothing and are left out.
 a roofline with a floor: each operator costs its fixed overhead, plus either its FLOPs at
 the rate the machine reached on a product (or an attention) of that size, or its bytes at
 the machine's streaming bandwidth, whichever is longer; the few operators that compute
-more per element than they move (GELU, the norms) at their own measured cost per byte.
-Small operators are all overhead; large products are all FLOPs; additions are all bytes.
+more per element than they move (GELU, the norms) at their own measured cost per byte;
+and the new memory a result fills is touched for the first time, at a measured cost per
+byte (the kernel hands out pages as they are first written). Views move nothing and
+cost their dispatch. Small operators are all overhead; large products are all FLOPs;
+additions are all bytes.
 """
 
 from __future__ import annotations
@@ -32,11 +35,16 @@ from pcourse.cost_model.machine import Machine
 @dataclass(frozen=True)
 class Op:
     """One operator as it ran: its name, FLOPs (0 where it does no arithmetic worth
-    counting) and the bytes of its tensor arguments and results."""
+    counting), the bytes of its tensor arguments and results, the bytes of the results
+    it wrote to new memory (``fresh``), and whether it is a view (no bytes move) and of
+    how many tensors."""
 
     name: str
     flops: int
     bytes: int
+    fresh: int = 0
+    view: bool = False
+    tensors: int = 1  # a view's results: a split makes many
 
 
 @dataclass
@@ -44,6 +52,11 @@ class Counts:
     """The operators of one piece of work, in the order they ran."""
 
     ops: list[Op] = field(default_factory=list)
+
+    @property
+    def operators(self) -> int:
+        """Operators that are not views."""
+        return sum(not op.view for op in self.ops)
 
     @property
     def flops(self) -> int:
@@ -65,6 +78,14 @@ def _tensor_bytes(values: Any) -> int:
     return sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
 
 
+def _fresh_bytes(args: Any, kwargs: Any, out: Any) -> int:
+    """Bytes of the results that are new memory (not an argument written in place)."""
+    given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+             if isinstance(t, torch.Tensor)}
+    return sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
+               if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given)
+
+
 class _Recorder(TorchDispatchMode):
     """Runs every operator as usual and appends what it did to ``counts``."""
 
@@ -76,11 +97,14 @@ class _Recorder(TorchDispatchMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.is_view or func in _FREE:
-            return out
         packet = func._overloadpacket
+        if func.is_view or func in _FREE:
+            made = sum(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0])
+            self.counts.ops.append(Op(packet.__name__, 0, 0, view=True, tensors=made))
+            return out
         self.counts.ops.append(Op(packet.__name__, int(flops_of(packet, args, kwargs, out)),
-                                  _tensor_bytes((args, kwargs)) + _tensor_bytes(out)))
+                                  _tensor_bytes((args, kwargs)) + _tensor_bytes(out),
+                                  _fresh_bytes(args, kwargs, out)))
         return out
 
 
@@ -115,13 +139,18 @@ def count_ops(fn: Callable[[], Any]) -> tuple[Counts, Any]:
 
 
 def op_time(op: Op, machine: Machine) -> float:
-    """Seconds of one operator on one core: overhead + the longer of its FLOPs at the
-    rate measured for its kind and size (attention's own, or a product's) and its bytes
-    at the streaming bandwidth, or at the per-byte cost measured for it by name."""
+    """Seconds of one operator on one core: a view costs its dispatch only; any other,
+    its overhead, the longer of its FLOPs at the rate measured for its kind and size
+    (attention's own, or a product's) and its bytes at the streaming bandwidth (or the
+    per-byte cost measured for it by name), and the first touch of the new memory its
+    results fill."""
+    if op.view:
+        return machine.view_overhead * op.tensors
     kind = "attention" if "scaled_dot_product" in op.name else "matmul"
     arithmetic = op.flops / machine.rate(op.flops, kind) if op.flops else 0.0
     per_byte = machine.per_byte.get(op.name, 1 / machine.bandwidth)
-    return machine.op_overhead + max(arithmetic, op.bytes * per_byte)
+    return (machine.op_overhead + max(arithmetic, op.bytes * per_byte)
+            + op.fresh * machine.first_touch)
 
 
 def compute_time(counts: Counts, machine: Machine, ranks: int = 1) -> float:

@@ -82,9 +82,13 @@ class Machine:
     ``bandwidth``: bytes/s a simple elementwise operator streams; ``per_byte``: s per
     byte read and written for the operators that compute more per element than they
     move (GELU's error function, a norm's statistics), by name; ``op_overhead``: s per
-    operator dispatched in a forward and backward pass (autograd included); ``cores``;
+    operator dispatched in a forward and backward pass (autograd included);
+    ``view_overhead``: s per view (a reshape: dispatch, no data); ``first_touch``: s per
+    byte of new memory a result is written to; ``cores``;
     ``slowdown``: p -> how much longer the same computation took on each of p ranks
-    computing at once than on one alone; ``links``:
+    computing at once than on one alone; ``meeting``: p -> what a collective between
+    steps costs beyond its latency, the ranks waiting to meet (one may be off its core);
+    ``links``:
     ``"backend kind p"`` -> :class:`Link`; ``about``: where and when.
     """
 
@@ -97,6 +101,9 @@ class Machine:
     attention: tuple[tuple[float, float], ...] = ()
     per_byte: Mapping[str, float] = field(default_factory=dict)
     slowdown: Mapping[int, float] = field(default_factory=dict)
+    meeting: Mapping[int, float] = field(default_factory=dict)
+    view_overhead: float = 0.0
+    first_touch: float = 0.0
 
     def __post_init__(self) -> None:
         values = {"bandwidth": self.bandwidth, "op_overhead": self.op_overhead,
@@ -154,10 +161,15 @@ class Machine:
                                 f"python -m pcourse.tools.bench calibrate --ranks {p}")
         return self.links[key]
 
+    def meet(self, ranks: int) -> float:
+        """Seconds p ranks wait to meet at a collective after computing (0 if unmeasured)."""
+        return self.meeting.get(ranks, 0.0)
+
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "links": {k: asdict(v) for k, v in self.links.items()},
                 "per_byte": dict(self.per_byte),
-                "slowdown": {str(p): v for p, v in self.slowdown.items()}}
+                "slowdown": {str(p): v for p, v in self.slowdown.items()},
+                "meeting": {str(p): v for p, v in self.meeting.items()}}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Machine:
@@ -169,7 +181,10 @@ class Machine:
                        about=data.get("about", ""),
                        attention=tuple(tuple(x) for x in data.get("attention", ())),
                        per_byte=dict(data.get("per_byte", {})),
-                       slowdown={int(p): v for p, v in data.get("slowdown", {}).items()})
+                       slowdown={int(p): v for p, v in data.get("slowdown", {}).items()},
+                       meeting={int(p): v for p, v in data.get("meeting", {}).items()},
+                       view_overhead=data.get("view_overhead", 0.0),
+                       first_touch=data.get("first_touch", 0.0))
         except (KeyError, TypeError) as exc:
             raise NotCalibrated(f"the calibration lacks {exc}: calibrate again") from None
 

@@ -7,7 +7,9 @@ allocator's running total of live bytes (``Total Allocated``) at every allocatio
 free. The baseline is the total before anything was built (the batch was made before);
 the state **at rest** is the total just before the measured step, the **peak** the
 largest total during it, both less the baseline; the phase the peak fell in is read from
-the step's own markers (:mod:`pcourse.tools.bench.strategies`).
+the step's own markers (:mod:`pcourse.tools.bench.strategies`). The garbage collector
+runs before and not during it: memory an earlier run left, freed in the window, would
+lower the running total.
 
 Time by the clock: ``repeats`` more steps, each started after a barrier, timed on every
 rank; a repeat's time is its slowest rank's.
@@ -39,15 +41,22 @@ class Measured:
 def profiled(make: Callable[[], Any], barrier: Callable[[], None]) -> tuple[Any, int, int, str]:
     """``run = make()`` then ``run.step()`` twice, under the profiler: (run, bytes at rest
     before the second step, its peak, the phase of the peak), above the baseline."""
+    import gc
+
     from torch.profiler import ProfilerActivity, profile, record_function
 
     os.environ.setdefault("KINETO_LOG_LEVEL", "9")  # no start/stop lines on stderr
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run = make()
-        run.step()
-        barrier()
-        with record_function(MARK + "measured"):
+    gc.collect()  # what earlier runs left is freed now, not while this one is measured
+    gc.disable()  # (a free counts against the total the peak is read from)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run = make()
             run.step()
+            barrier()
+            with record_function(MARK + "measured"):
+                run.step()
+    finally:
+        gc.enable()
     return (run, *read_peak(chrome_events(prof)))
 
 
