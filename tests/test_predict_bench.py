@@ -1,4 +1,4 @@
-"""``python -m pcourse.tools.bench calibrate`` and ``predict``: the constants measured and
+"""``python -m pcourse.tools.bench.calibrate`` and ``.predict``: the constants measured and
 written, bad input refused before anything starts (and alike on every rank), and the
 predictions set beside a real MPI run with every peak within 10%.
 """
@@ -16,8 +16,8 @@ import pytest
 from pcourse.cost_model.machine import load
 
 
-def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pcourse.tools.bench", *args],
+def bench(command: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", f"pcourse.tools.bench.{command}", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -15,7 +15,7 @@ a strategy of lessons 05-12 and the rank count, it predicts per rank:
   07's model, the pipeline's schedule lesson 12's bubble.
 
 The constants are measured on the machine predicted (:mod:`.machine`,
-``python -m pcourse.tools.bench calibrate``); a cluster's come from datasheets, with one
+``python -m pcourse.tools.bench.calibrate``); a cluster's come from datasheets, with one
 efficiency per GPU kind fitted on one named published point (:mod:`.scale`). How far a
 prediction was from the run is :mod:`.compare`'s: the relative error, and Kendall's τ of
 the configurations' order. Every formula the earlier lessons derive is imported from

@@ -118,7 +118,7 @@ class Machine:
                                      "number: calibrate again")
         if not self.matmul:
             raise NotCalibrated("no matmul rate was measured: run python -m "
-                                "pcourse.tools.bench calibrate")
+                                "pcourse.tools.bench.calibrate")
 
     def rate(self, flops: float, kind: str = "matmul") -> float:
         """FLOP/s of one product (or ``kind="attention"``) of ``flops`` FLOPs: the measured
@@ -158,7 +158,7 @@ class Machine:
                                if k.startswith(f'{backend} {kind} ')})
             raise NotCalibrated(f"{kind} on {backend} at {p} ranks was not measured here "
                                 f"(measured at: {', '.join(measured) or 'no rank count'}); run "
-                                f"python -m pcourse.tools.bench calibrate --ranks {p}")
+                                f"python -m pcourse.tools.bench.calibrate --ranks {p}")
         return self.links[key]
 
     def meet(self, ranks: int) -> float:

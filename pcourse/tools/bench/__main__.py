@@ -1,5 +1,5 @@
 """``python -m pcourse.tools.bench MODE``: franke, mnist, steps, comm, versus-source,
-mpich-allreduce, sharding, tp, pp, calibrate or predict.
+mpich-allreduce, sharding, tp or pp.
 
 One front door.
 
@@ -10,9 +10,7 @@ times the scaling command beside the source's own script
 algorithms in turn (:mod:`pcourse.tools.bench.mpich`); ``sharding`` sets ZeRO and FSDP beside
 torch's own (:mod:`pcourse.tools.bench.sharding`); ``tp`` tensor parallelism beside torch's
 DTensor (:mod:`pcourse.tools.bench.tp`); ``pp`` the pipeline's bubble and memory beside
-the prediction, and beside torch's pipelining (:mod:`pcourse.tools.bench.pp`);
-``calibrate`` measures the cost model's constants (:mod:`pcourse.tools.bench.calibrate`) and
-``predict`` sets its predictions beside the runs (:mod:`pcourse.tools.bench.predict`). Nothing
+the prediction, and beside torch's pipelining (:mod:`pcourse.tools.bench.pp`). Nothing
 heavy is imported here: the benchmark's launcher starts its ranks before anything loads
 torch.
 """
@@ -23,8 +21,7 @@ COMMANDS = {"steps": "pcourse.tools.bench.steps", "comm": "pcourse.tools.bench.c
             "versus-source": "pcourse.tools.bench.versus",
             "mpich-allreduce": "pcourse.tools.bench.mpich",
             "sharding": "pcourse.tools.bench.sharding", "tp": "pcourse.tools.bench.tp",
-            "pp": "pcourse.tools.bench.pp", "calibrate": "pcourse.tools.bench.calibrate",
-            "predict": "pcourse.tools.bench.predict"}
+            "pp": "pcourse.tools.bench.pp"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""``python -m pcourse.tools.bench calibrate``: measure the cost model's constants here.
+"""``python -m pcourse.tools.bench.calibrate``: measure the cost model's constants here.
 
 Lesson 13's cost model (:mod:`pcourse.cost_model`) predicts from constants measured on
 the machine it predicts, in well under a minute:
@@ -53,7 +53,7 @@ class Spec:
     @classmethod
     def quick(cls, **changes: Any) -> Spec:
         """A lesson's quick mode: fewer sizes and repeats (seconds)."""
-        base = cls(sizes=(1 << 10, 1 << 15, 1 << 19, 1 << 22), iters=7, seconds=0.03)
+        base = cls(sizes=(1 << 10, 1 << 16, 1 << 20, 1 << 22), iters=5, seconds=0.02)
         return dataclasses.replace(base, **changes)
 
     def check(self, world: int | None = None) -> None:
@@ -403,7 +403,16 @@ def describe() -> str:
 # ------------------------------------------------------------------ the command line
 def report(machine: Any, out: str) -> None:
     """Print the constants, and write them (atomically)."""
-    from pcourse.cost_model.machine import alpha_beta, save
+    from pcourse.cost_model.machine import save
+
+    print_constants(machine)
+    path = save(machine, out)
+    print(f"wrote {path}")
+
+
+def print_constants(machine: Any) -> None:
+    """Every constant of ``machine``, in the units a reader compares."""
+    from pcourse.cost_model.machine import alpha_beta
 
     print(f"calibrated on {machine.about}")
     for kind, table in (("matmul", machine.matmul), ("attention", machine.attention)):
@@ -424,12 +433,10 @@ def report(machine: Any, out: str) -> None:
         print(f"  {key:28} a = {link.a * 1e6:8.1f} µs  b = {link.b * 1e9:7.3f} ns/B  "
               f"(α {alpha * 1e6:7.1f} µs, β {beta * 1e9:6.3f} ns/B)  check +"
               f"{link.check * 1e6:.1f} µs")
-    path = save(machine, out)
-    print(f"wrote {path}")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pcourse.tools.bench calibrate",
+    p = argparse.ArgumentParser(prog="python -m pcourse.tools.bench.calibrate",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--ranks", nargs="+", type=jobs.whole(2), default=[2, 3],
                    help="rank counts to fit the collectives at (default: 2 3)")

@@ -1,4 +1,4 @@
-"""``python -m pcourse.tools.bench predict``: lesson 13's predictions, then the runs, side by side.
+"""``python -m pcourse.tools.bench.predict``: lesson 13's predictions, then the runs, side by side.
 
 For every strategy of :mod:`pcourse.tools.bench.strategies` at every rank count asked for,
 on one stack of the course's transformer blocks:
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import sys
 from collections.abc import Sequence
@@ -43,7 +44,8 @@ MEMORY_BAR, MEDIAN_BAR, WORST_BAR, TAU_BAR = 0.10, 0.25, 0.40, 0.8
 class Spec:
     """The model (a :class:`~pcourse.cost_model.shapes.Stack`), the strategies, the rank
     counts, ``micro`` micro-batches for the pipelines, ``bucket_cap`` bytes for
-    ``ddp-buckets``, timed ``repeats``, the ``backend``."""
+    ``ddp-buckets``, timed ``repeats``, the ``backend``; ``timed``: the rank counts whose
+    steps are timed as well as profiled (None: all of them)."""
 
     ranks: tuple[int, ...] = (2, 3)
     strategies: tuple[str, ...] = STRATEGIES
@@ -57,12 +59,14 @@ class Spec:
     bucket_cap: int = 1 << 20
     repeats: int = 7
     backend: str = "mpi"
+    timed: tuple[int, ...] | None = None
 
     @classmethod
     def quick(cls, **changes: Any) -> Spec:
-        """A lesson's quick mode: four blocks instead of six, three repeats (the widths
-        stay: at smaller ones a step is mostly fixed costs, and less telling)."""
-        base = cls(layers=4, repeats=3)
+        """A lesson's quick mode: four blocks instead of six, three repeats, steps timed
+        at 2 ranks only (the widths stay: at smaller ones a step is mostly fixed costs,
+        and less telling)."""
+        base = cls(layers=4, repeats=3, timed=(2,))
         return dataclasses.replace(base, **changes)
 
     def shape(self) -> Any:
@@ -158,8 +162,10 @@ def _memory(strategy: str, p: int, spec: Spec) -> list[Any]:
     return [one] * p
 
 
+@functools.lru_cache(maxsize=64)
 def _counted(strategy: str, p: int, rank: int, spec: Spec) -> dict[str, Any]:
-    """Counts per phase of this rank's step, the strategy built on a stand-in group."""
+    """Counts per phase of this rank's step, the strategy built on a stand-in group
+    (counted once per configuration: the counts depend on nothing measured)."""
     import torch
 
     from pcourse.cost_model.counting import count_ops
@@ -176,6 +182,38 @@ def _counted(strategy: str, p: int, rank: int, spec: Spec) -> dict[str, Any]:
     for name, phase in run.phases:
         counts[name], result = count_ops(lambda: phase(result))  # noqa: B023
     return counts
+
+
+def phases(strategy: str, p: int, spec: Spec, machine: Any, repeats: int = 5
+           ) -> list[tuple[str, float, float]]:
+    """Where a step's computation goes: per phase, (name, predicted seconds, measured
+    seconds), rank 0's phases run one by one in this process on a stand-in group, one
+    thread (the median of ``repeats``): a miss located by the clock, phase by phase."""
+    import time
+
+    import torch
+
+    from pcourse.cost_model.counting import compute_time
+    from pcourse.runtime.ranks import threads
+    from pcourse.tools.bench import strategies
+
+    counted = _counted(strategy, p, 0, spec)
+    shape = spec.shape()
+    group = strategies.Absent(0, p)
+    x = torch.randn(shape.seq, shape.batch, shape.d)
+    run = strategies.build(strategy, group, shape, strategies.local_input(strategy, group, x),
+                           micro=spec.micro, bucket_cap=spec.bucket_cap)
+    times: dict[str, list[float]] = {name: [] for name, _ in run.phases}
+    with threads(1):
+        run.step()
+        for _ in range(repeats):
+            result = None
+            for name, phase in run.phases:
+                start = time.perf_counter()
+                result = phase(result)
+                times[name].append(time.perf_counter() - start)
+    return [(name, compute_time(counted[name], machine, 1), statistics.median(times[name]))
+            for name, _ in run.phases]
 
 
 def _work(strategy: str, p: int, spec: Spec, machine: Any) -> Any:
@@ -226,16 +264,34 @@ def _time(strategy: str, p: int, spec: Spec, machine: Any) -> float:
 def _pipeline_time(p: int, spec: Spec, machine: Any, alone: bool = False) -> float:
     """Per stage, one micro-batch's forward and backward counted on its own module;
     ``alone``: the busiest stage's own work, no bubble, no message (what it computes)."""
+    from pcourse.cost_model.counting import compute_time
+    from pcourse.cost_model.step_time import pipeline_step_time
+
+    shape = spec.shape()
+    stages = _stage_counts(p, spec)
+    forward = [compute_time(f, machine, p) for f, _, _ in stages]
+    backward = [compute_time(b, machine, p) for _, b, _ in stages]
+    update = [compute_time(u, machine, p) for _, _, u in stages]
+    if alone:
+        return max(spec.micro * (f + b) + u for f, b, u in zip(forward, backward, update,
+                                                                  strict=True))
+    return pipeline_step_time(forward, backward, spec.micro, machine.link(spec.backend, "send", p),
+                              shape.unit(shape.batch // spec.micro), max(update),
+                              meet=machine.meet(p))
+
+
+@functools.lru_cache(maxsize=16)
+def _stage_counts(p: int, spec: Spec) -> list[tuple[Any, Any, Any]]:
+    """Per stage: one micro-batch's forward and backward, and the optimizer's step, counted."""
     import torch
 
-    from pcourse.cost_model.counting import compute_time, count_ops
-    from pcourse.cost_model.step_time import pipeline_step_time
+    from pcourse.cost_model.counting import count_ops
     from pcourse.pipeline import split_model
     from pcourse.tools.bench import strategies
 
     shape = spec.shape()
     b = shape.batch // spec.micro
-    forward, backward, update = [], [], []
+    out = []
     for r in range(p):
         module = strategies.BatchFirst(list(split_model(strategies.stack_blocks(shape), p, r)))
         x = torch.randn(b, shape.seq, shape.d, requires_grad=r > 0)
@@ -244,24 +300,18 @@ def _pipeline_time(p: int, spec: Spec, machine: Any, alone: bool = False) -> flo
             y = module(x)  # noqa: B023
             return strategies.loss_of(y) if r == p - 1 else y  # noqa: B023
 
-        f, out = count_ops(stage_forward)
-        grad = None if r == p - 1 else torch.ones_like(out)
-        bw, _ = count_ops(lambda: out.backward(grad))  # noqa: B023
-        forward.append(compute_time(f, machine, p))
-        backward.append(compute_time(bw, machine, p))
-        update.append(_stage_update(module, machine, p))
-    if alone:
-        return max(spec.micro * (f + b) + u for f, b, u in zip(forward, backward, update,
-                                                                  strict=True))
-    return pipeline_step_time(forward, backward, spec.micro, machine.link(spec.backend, "send", p),
-                              shape.unit(b), max(update), meet=machine.meet(p))
+        f, y = count_ops(stage_forward)
+        grad = None if r == p - 1 else torch.ones_like(y)
+        bw, _ = count_ops(lambda: y.backward(grad))  # noqa: B023
+        out.append((f, bw, _stage_update(module)))
+    return out
 
 
-def _stage_update(module: Any, machine: Any, p: int) -> float:
-    """One AdamW step and zero_grad of a stage's parameters, counted and priced."""
+def _stage_update(module: Any) -> Any:
+    """One AdamW step and zero_grad of a stage's parameters, counted."""
     import torch
 
-    from pcourse.cost_model.counting import compute_time, count_ops
+    from pcourse.cost_model.counting import count_ops
 
     opt = torch.optim.AdamW(module.parameters())
     for q in module.parameters():
@@ -272,8 +322,7 @@ def _stage_update(module: Any, machine: Any, p: int) -> float:
         opt.step()
         opt.zero_grad()
 
-    counts, _ = count_ops(update)
-    return compute_time(counts, machine, p)
+    return count_ops(update)[0]
 
 
 # ------------------------------------------------------------------ measuring
@@ -287,6 +336,7 @@ def measure_ranks(comm: Any, spec: Spec, progress: jobs.Progress) -> None:
     shape, p = spec.shape(), comm.size
     torch.manual_seed(1)
     x = torch.randn(shape.seq, shape.batch, shape.d)
+    timing = spec.timed is None or p in spec.timed
     with make_backend(spec.backend, comm=comm) as group:
         runs, alone, memory = {}, {}, {}
         for s in spec.strategies:
@@ -294,6 +344,10 @@ def measure_ranks(comm: Any, spec: Spec, progress: jobs.Progress) -> None:
             runs[s], *memory[s] = measured.profiled(
                 lambda: strategies.build(s, group, shape, mine, micro=spec.micro,  # noqa: B023
                                          bucket_cap=spec.bucket_cap), group.barrier)
+            if not timing:
+                runs.pop(s)  # its memory is what was wanted: let it go now
+                progress.done(f"{s} at {p} ranks: memory", [])
+                continue
             absent = strategies.Absent(comm.rank, p)  # the same step, no message sent
             alone[s] = strategies.build(s, absent, shape, strategies.local_input(s, absent, x),
                                         micro=spec.micro, bucket_cap=spec.bucket_cap)
@@ -301,16 +355,17 @@ def measure_ranks(comm: Any, spec: Spec, progress: jobs.Progress) -> None:
             progress.done(f"{s} at {p} ranks: memory", [])
         times: dict[str, list[float]] = {s: [] for s in spec.strategies}
         compute: dict[str, list[float]] = {s: [] for s in spec.strategies}
-        for _ in range(spec.repeats):  # the strategies take turns: the machine's moods
-            for s in spec.strategies:  # fall on all of them alike
+        for _ in range(spec.repeats if timing else 0):  # the strategies take turns: the
+            for s in spec.strategies:  # machine's moods fall on all of them alike
                 times[s] += measured.timed(runs[s].step, comm, 1)
                 compute[s] += measured.timed(alone[s].step, comm, 1)
         every = comm.gather(memory)
     progress.done(f"{p} ranks: timed", [] if comm.rank else [
         {"strategy": s, "ranks": p, "rank": r, "rest": every[r][s][0], "peak": every[r][s][1],
-         "when": every[r][s][2], "time": statistics.median(times[s]),
-         "time_min": min(times[s]), "time_max": max(times[s]),
-         "compute": statistics.median(compute[s])}
+         "when": every[r][s][2], **({"time": statistics.median(times[s]),
+                                     "time_min": min(times[s]), "time_max": max(times[s]),
+                                     "compute": statistics.median(compute[s])}
+                                    if timing else {"time": None})}
         for s in spec.strategies for r in range(p)])
 
 
@@ -341,7 +396,8 @@ def side_by_side(predicted: Sequence[dict], measured: Sequence[dict]) -> list[di
     for pr in predicted:
         m = got[(pr["strategy"], pr["ranks"], pr["rank"])]
         rows.append({**pr, **m, "peak_error": error(pr["peak_predicted"], m["peak"]),
-                     "time_error": error(pr["time_predicted"], m["time"])})
+                     "time_error": None if m["time"] is None else
+                     error(pr["time_predicted"], m["time"])})
     return rows
 
 
@@ -350,12 +406,26 @@ def bars(rows: Sequence[dict]) -> dict[str, Any]:
     configurations (one each)."""
     from pcourse.cost_model.compare import summary
 
-    configs = [r for r in rows if r["rank"] == 0]
+    configs = [r for r in rows if r["rank"] == 0 and r["time"] is not None]
     times = summary([r["time_predicted"] for r in configs], [r["time"] for r in configs])
     worst_peak = max(abs(r["peak_error"]) for r in rows)
     return {"worst_peak": worst_peak, "peaks_met": worst_peak <= MEMORY_BAR, **times,
             "times_met": (times["median"] <= MEDIAN_BAR and times["worst"] <= WORST_BAR
                           and times["tau"] >= TAU_BAR)}
+
+
+def bar_lines(b: dict[str, Any], peaks: int) -> list[str]:
+    """The bars, one sentence each, saying which are within and which beyond."""
+    def said(ok: bool) -> str:
+        return "within it" if ok else "beyond it"
+
+    return [f"memory: the worst of {peaks} peaks (every rank of every configuration) is "
+            f"{b['worst_peak']:.1%} from its prediction; the bar, every one within "
+            f"{MEMORY_BAR:.0%}: {said(b['peaks_met'])}",
+            f"time over {b['n']} configurations: median |error| {b['median']:.0%} (bar "
+            f"{MEDIAN_BAR:.0%}: {said(b['median'] <= MEDIAN_BAR)}), worst {b['worst']:.0%} "
+            f"(bar {WORST_BAR:.0%}: {said(b['worst'] <= WORST_BAR)}), Kendall's tau "
+            f"{b['tau']:.2f} (bar {TAU_BAR}: {said(b['tau'] >= TAU_BAR)})"]
 
 
 def print_predictions(rows: Sequence[dict]) -> None:
@@ -373,7 +443,8 @@ def print_side_by_side(rows: Sequence[dict]) -> None:
           f"{'error':>7}   {'step ms pred':>12} {'measured':>9} {'error':>7}")
     for r in rows:
         t = (f"{r['time_predicted'] * 1e3:>12.1f} {r['time'] * 1e3:>9.1f} "
-             f"{r['time_error']:>+7.0%}") if r["rank"] == 0 else ""
+             f"{r['time_error']:>+7.0%}") if r["rank"] == 0 and r["time"] is not None else (
+            f"{r['time_predicted'] * 1e3:>12.1f} {'not timed':>9}" if r["rank"] == 0 else "")
         print(f"{r['strategy']:14} {r['ranks']:>2} {r['rank']:>4} "
               f"{r['peak_predicted'] / 1e6:>12.2f} {r['peak'] / 1e6:>9.2f} "
               f"{r['peak_error']:>+7.1%}   {t}")
@@ -384,19 +455,15 @@ def report(predicted: Sequence[dict], measured: Sequence[dict], out: str) -> lis
 
     rows = side_by_side(predicted, measured)
     print_side_by_side(rows)
-    b = bars(rows)
-    print(f"memory: the worst peak is {b['worst_peak']:.1%} from its prediction "
-          f"(bar: every one within {MEMORY_BAR:.0%}): {'met' if b['peaks_met'] else 'NOT met'}")
-    print(f"time over {b['n']} configurations: median |error| {b['median']:.0%} (bar "
-          f"{MEDIAN_BAR:.0%}), worst {b['worst']:.0%} (bar {WORST_BAR:.0%}), Kendall's τ "
-          f"{b['tau']:.2f} (bar {TAU_BAR}): {'met' if b['times_met'] else 'NOT met'}")
+    for line in bar_lines(bars(rows), len(rows)):
+        print(line)
     print(f"wrote {save(out, lambda path: write_csv(path, rows, FIELDS))}")
     return rows
 
 
 # ------------------------------------------------------------------ the command line
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pcourse.tools.bench predict",
+    p = argparse.ArgumentParser(prog="python -m pcourse.tools.bench.predict",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--ranks", nargs="+", type=jobs.whole(1), default=[2, 3])
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
@@ -404,7 +471,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=jobs.whole(2), default=None)
     p.add_argument("--quick", action="store_true", help="a smaller model, fewer repeats")
     p.add_argument("--calibration", default=str(Path("results") / "calibration.json"),
-                   help="the constants (python -m pcourse.tools.bench calibrate)")
+                   help="the constants (python -m pcourse.tools.bench.calibrate)")
     p.add_argument("--out", default=str(Path("results") / "predict.csv"))
     p.add_argument("--timeout", type=jobs.seconds, default=900.0)
     p.add_argument("--oversubscribe", action="store_true")

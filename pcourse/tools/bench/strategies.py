@@ -69,6 +69,10 @@ class Absent(Backend):
     def barrier(self) -> None:
         return None
 
+    def max_over_ranks(self, v: Any) -> Any:
+        """Every rank is this one: the agreement checks pass on its own facts."""
+        return v
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
                        check: bool = True) -> torch.Tensor:
         self._note("reduce_scatter", input, check)
@@ -88,8 +92,12 @@ class Absent(Backend):
 
 
 def _zeros(t: torch.Tensor) -> torch.Tensor:
-    """``t`` filled with zeros by numpy (no torch operator runs)."""
-    t.detach().numpy()[...] = 0
+    """``t`` filled with zeros by numpy (no torch operator runs); a tensor with no memory
+    of its own (torch's fake tensors, for its estimators) by torch."""
+    if type(t) is torch.Tensor or isinstance(t, nn.Parameter):
+        t.detach().numpy()[...] = 0
+    else:
+        t.detach().zero_()
     return t
 
 
@@ -97,10 +105,11 @@ def _zeros(t: torch.Tensor) -> torch.Tensor:
 class Run:
     """One rank's step of one strategy, as named phases: each takes what the one before
     returned (the forward's loss goes to the backward). ``step()`` runs them all, each
-    marked for the profiler; ``model``: the rank's module."""
+    marked for the profiler; ``model``, ``optimizer``: the rank's."""
 
     phases: list[tuple[str, Callable[[Any], Any]]]
     model: nn.Module
+    optimizer: torch.optim.Optimizer | None = None
 
     def step(self) -> None:
         result = None
@@ -154,7 +163,7 @@ def _train(model: nn.Module, x: torch.Tensor, sync: Callable[[], None],
 
     return Run([("forward", lambda _: loss_of(model(x))),
                 ("backward", lambda loss: loss.backward()),
-                ("sync", lambda _: sync()), ("optimizer", update)], model)
+                ("sync", lambda _: sync()), ("optimizer", update)], model, opt)
 
 
 def local_input(strategy: str, group: Any, x: torch.Tensor) -> torch.Tensor | None:
@@ -242,4 +251,4 @@ def _pipeline(strategy: str, group: Any, shape: Any, inputs: torch.Tensor | None
 
     return Run([("schedule", lambda _: pipeline.run_step(stage, order, micro, shape.batch,
                                                          inputs, targets)),
-                ("optimizer", update)], module)
+                ("optimizer", update)], module, opt)
