@@ -31,6 +31,10 @@ the two together):
     ``mesh``           named dimensions of ranks and a group per dimension (11)
     ``activations``    what autograd saves for backward, counted (11)
     ``pipeline``       stages, micro-batches, the GPipe and 1F1B schedules (12)
+    ``checkpointing``  activation checkpointing: recompute a block in the backward (13)
+    ``cost_model/``    a step's memory and time predicted per rank, before it runs:
+                       ``machine``, ``counting``, ``shapes``, ``memory``, ``step_time``,
+                       ``compare``, ``scale`` (13)
 
 Under both, the runtime layer (``runtime/``): ranks and devices (``ranks``), waits with
 deadlines (``waits``), and the private names of torch, ipyparallel and ipykernel the

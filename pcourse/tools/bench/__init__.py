@@ -6,8 +6,11 @@ of each gradient-averaging strategy, against DDP), ``versus`` (the scaling comma
 beside the source's own script), ``flops`` (how close a step runs to the machine's
 compute limit), ``mpich`` (which allreduce MPICH runs), ``trace`` (one step with
 buckets, as Perfetto reads it), ``sharding`` (ZeRO and FSDP beside torch's, the
-strategies built by ``strategies``, their traced steps by ``overlap``), ``tp`` (tensor
-parallelism beside torch's), ``pp`` (pipeline parallelism, the bubble measured). Each
+strategies built by ``sharded``, their traced steps by ``overlap``), ``tp`` (tensor
+parallelism beside torch's), ``pp`` (pipeline parallelism, the bubble measured), and
+lesson 13's ``calibrate`` and ``predict`` (run as ``python -m pcourse.tools.bench.calibrate``
+and ``.predict``; every strategy as one step in ``strategies``, measured by ``measured``,
+torch's estimators in ``estimators``, the lesson's tables in ``report13``). Each
 measures with one function that runs on every rank of an MPI communicator, reached
 through two front doors (``jobs``):
 ``run_on(mc.view, ...)`` on a lesson's running engines, and

@@ -124,9 +124,9 @@ class TracedBackend(Backend):
 
 def record(strategy: str, workload: str, backend: Backend, steps: int = 4) -> dict:
     """On every rank: ``steps`` steps of ``strategy`` (a variant of ours in
-    :data:`pcourse.tools.bench.sharding.OURS`, built by :mod:`.strategies`), the last traced.
+    :data:`pcourse.tools.bench.sharding.OURS`, built by :mod:`.sharded`), the last traced.
     Collective."""
-    from pcourse.tools.bench.strategies import build, model_and_loss
+    from pcourse.tools.bench.sharded import build, model_and_loss
 
     traced = TracedBackend(backend)
     make_model, loss = model_and_loss(workload)

@@ -41,7 +41,7 @@ from typing import Any
 
 from pcourse.runtime.ranks import launcher
 from pcourse.tools.bench import jobs
-from pcourse.tools.bench.strategies import build, model_and_loss
+from pcourse.tools.bench.sharded import build, model_and_loss
 from pcourse.utils.io import NotWritable, check_writable, save, write_csv
 
 STRATEGIES = ("ddp", "zero1", "zero1-overlap", "zero2", "zero2-overlap", "torch-zero", "fsdp",
