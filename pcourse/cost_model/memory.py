@@ -10,9 +10,10 @@ the step it holds more, and the **peak** comes at one of a few moments, each pre
   (:meth:`~pcourse.cost_model.shapes.Stack.saved`), plus the backward's first
   temporaries (:func:`backward_transient`);
 - ZeRO-2 also holds the flat gradient of the bucket being filled; FSDP, in the last
-  unit's backward, that unit gathered again, its parameters' gradients, a whole-unit
-  zero-filled gradient for the slice being differentiated and their running sum (four
-  units), and one more per unit prefetched;
+  unit's backward, that unit gathered again and its parameters' gradients (two units:
+  the gathered copy is freed before the gradients are joined, lesson 10), and one more
+  per unit prefetched, beside every activation saved (the last block's own are still
+  held while its first products run);
 - a pipeline stage holds what its schedule keeps in flight (:func:`pipeline_memory`
   walks the schedule action by action), and every message it sent, until the step's
   end, where the course's ``Stage`` waits for its sends.
@@ -142,10 +143,9 @@ def fsdp_memory(shape: Stack, p: int, prefetch: int = 0) -> Memory:
     unit = padded(shape.block_params(), p)
     mine = shape.layers * unit // p
     acts = shape.saved(batch=batch)
-    peak = (mine + ADAM * mine + (4 + prefetch) * unit) * s + acts - shape.block_saved(
-        batch=batch)
+    peak = (mine + ADAM * mine + (2 + prefetch) * unit) * s + acts
     return Memory(mine * s, 0, ADAM * mine * s, acts, peak,
-                  "backward: the last unit's, gathered again, its gradients summed")
+                  "backward: the last unit's, gathered again, beside its gradients")
 
 
 def tp_memory(shape: Stack, t: int, sp: bool = False) -> Memory:

@@ -203,7 +203,10 @@ def _on_cluster(mc: Any, fn: Callable, args: tuple, kwargs: dict, ranks: int,
             "the engines are still stuck in an earlier check that never finished. Fix "
             "the code, then restart the kernel and run all cells again.")
     main = vars(sys.modules["__main__"])
-    args, kwargs = _resolved(args, main), _resolved(kwargs, main)
+    try:
+        args, kwargs = wire.resolve(args, main), wire.resolve(kwargs, main)
+    except NameError as exc:
+        raise ExerciseError(f"{exc}: run the cell that defines it") from None
     mine = _learner_functions([*args, *kwargs.values()])
     ids = sorted(mc.client.ids)
     if mine:
@@ -215,18 +218,6 @@ def _on_cluster(mc: Any, fn: Callable, args: tuple, kwargs: dict, ranks: int,
     _stuck = _stuck or not finished
     return outcomes, finished
 
-
-def _resolved(value: Any, namespace: dict) -> Any:
-    """``value`` with each Learner record replaced by the notebook's object of that name."""
-    if isinstance(value, Learner):
-        if value.name not in namespace:
-            raise ExerciseError(f"{value.name} is not defined: run the cell that defines it")
-        return namespace[value.name]
-    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-        return type(value)(_resolved(v, namespace) for v in value)
-    if isinstance(value, dict):
-        return {k: _resolved(v, namespace) for k, v in value.items()}
-    return value
 
 
 def _learner_functions(args: Sequence[Any]) -> dict[str, Callable]:

@@ -33,7 +33,7 @@ import numpy as np
 
 from pcourse.tools.grading.job import die_with_parent
 from pcourse.tools.grading.relay import completed, constants, receive, send
-from pcourse.tools.grading.wire import Learner, Made, Mpi, Obj, Ref
+from pcourse.tools.grading.wire import Made, Mpi, Obj, Ref
 
 
 def _mpi() -> Any:
@@ -297,20 +297,6 @@ def _define(namespace: dict, code: str) -> tuple:
     return ("ok",)
 
 
-def _resolved(value: Any, namespace: dict) -> Any:
-    """``value`` with every :class:`~pcourse.tools.grading.wire.Learner` record replaced by
-    the learner's object of that name."""
-    if isinstance(value, Learner):
-        if value.name not in namespace:
-            raise NameError(f"name {value.name!r} is not defined: the exercise's cells must "
-                            "define it")
-        return namespace[value.name]
-    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-        return type(value)(_resolved(v, namespace) for v in value)
-    if isinstance(value, dict):
-        return {k: _resolved(v, namespace) for k, v in value.items()}
-    return value
-
 
 def _trial(ln: _Link, namespace: dict, module: str, name: str, args: tuple, kwargs: dict,
            rank: int, size: int, wrank: int, wsize: int) -> tuple:
@@ -321,7 +307,7 @@ def _trial(ln: _Link, namespace: dict, module: str, name: str, args: tuple, kwar
         if not module.startswith("pcourse.tools.grading."):
             raise ValueError(f"{module} holds no trial")
         fn = getattr(importlib.import_module(module), name)
-        args, kwargs = _resolved(args, namespace), _resolved(kwargs, namespace)
+        args, kwargs = wire.resolve(args, namespace), wire.resolve(kwargs, namespace)
         trials._current = RelayComm(ln, 0, rank, size)
         MPI.COMM_WORLD = RelayComm(ln, 1, wrank, wsize)
         value = fn(*args, **kwargs)

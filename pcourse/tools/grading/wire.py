@@ -56,6 +56,21 @@ class Learner(NamedTuple):
     name: str
 
 
+def resolve(value: Any, namespace: dict) -> Any:
+    """``value`` with every :class:`Learner` record replaced by ``namespace``'s object of
+    that name (a NameError that names it, where there is none), through lists, tuples and
+    dicts: where the learner's code runs, never where it is graded."""
+    if isinstance(value, Learner):
+        if value.name not in namespace:
+            raise NameError(f"name {value.name!r} is not defined")
+        return namespace[value.name]
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(resolve(v, namespace) for v in value)
+    if isinstance(value, dict):
+        return {k: resolve(v, namespace) for k, v in value.items()}
+    return value
+
+
 class Mpi(NamedTuple):
     """One of MPI's named constants: an op, a datatype, ``IN_PLACE``, ``COMM_NULL``."""
 
