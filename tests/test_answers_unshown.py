@@ -44,7 +44,9 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "08_sharded_optimizer": ("pcourse.sharding.zero.shard_range",),
     "09_tensor_parallel": ("pcourse.tensor_parallel._CopyToGroup",
                            "pcourse.tensor_parallel._ReduceFromGroup",
-                           "pcourse.tensor_parallel.block_of"),
+                           "pcourse.tensor_parallel.block_of",
+                           "pcourse.tensor_parallel.ColumnParallelLinear",
+                           "pcourse.tensor_parallel.RowParallelLinear"),
     "10_pipeline_schedule": ("pcourse.pipeline.one_f_one_b_order",),
 }
 # A shown function gives an exercise away when it holds at least this share of the
