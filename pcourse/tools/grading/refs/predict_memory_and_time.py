@@ -17,6 +17,7 @@ names. Nothing here reads a clock: every verdict is the same on every machine.
 from __future__ import annotations
 
 import functools
+import numbers
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,7 +112,7 @@ def example() -> tuple[dict, Constants]:
 
 # ------------------------------------------------------------------ trials (the learner's side)
 def _number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's too
         raise TypeError(f"{what} is {type(value).__name__} {value!r}, not a number")
     return float(value)
 
@@ -127,7 +128,7 @@ def collective_trial(fn: Callable, cases: list[dict]) -> list[list[float]]:
 
 def strategy_trial(fn: Callable, strategy: str, cases: list[dict]) -> list[dict]:
     """The learner's prediction for each case (on every stage for 1F1B), numbers only."""
-    out = []
+    out, name = [], getattr(fn, "__name__", "your function")
     for case in cases:
         c = Constants(**case["c"])
         ranks = range(case["p"]) if strategy == "1f1b" else [None]
@@ -136,9 +137,9 @@ def strategy_trial(fn: Callable, strategy: str, cases: list[dict]) -> list[dict]
             got = fn(dict(case["model"]), *args, c)
             if not isinstance(got, dict) or set(KEYS) - set(got):
                 missing = sorted(set(KEYS) - set(got)) if isinstance(got, dict) else KEYS
-                raise TypeError(f"{fn.__name__} returned {type(got).__name__} without "
+                raise TypeError(f"{name} returned {type(got).__name__} without "
                                 f"{', '.join(missing)}: return a dict of {', '.join(KEYS)}")
-            out.append({k: _number(got[k], f"{fn.__name__}'s {k!r}") for k in KEYS})
+            out.append({k: _number(got[k], f"{name}'s {k!r}") for k in KEYS})
     return out
 
 
