@@ -299,6 +299,21 @@ def pipe_order(warm: str = "min(p - rank - 1, m)", cool_down: bool = True) -> st
     return order"""
 
 
+
+def predict(region: int, old: str, new: str) -> list:
+    """Exercise 11's five regions, the solution's, with ``old`` in region ``region`` made
+    ``new`` (read from the solution, not copied: ``old`` must be in it once)."""
+    from pathlib import Path
+
+    from pcourse.tools.grading.exercises import solution_regions
+
+    nb = nbformat.read(Path(__file__).resolve().parents[2] / "solutions"
+                       / "11_predict_memory_and_time.ipynb", as_version=4)
+    code = solution_regions(nb)[region]
+    assert code.count(old) == 1, old
+    return [RIGHT] * region + [code.replace(old, new)] + [RIGHT] * (4 - region)
+
+
 PIPE_GPIPE = """
     return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]"""
 
@@ -1077,6 +1092,26 @@ WRONG: dict[str, dict[str, Wrong]] = {
             learner_adds(pickling_payload("pcourse.tools.grading.wire", "the wire's dumps"))),
         "mc rebound in the learner's cell": Wrong(
             "tampered", [RIGHT, RIGHT], "rebinds `mc`", learner_adds("mc = None")),
+    },
+    "11_predict_memory_and_time": {
+        # regions: collective_time, predict_dp, predict_zero1, predict_tp, predict_1f1b
+        "an allreduce's bytes counted once, 2(p - 1)/p forgotten (right at p = 2)": Wrong(
+            "size", predict(0, '"allreduce": (2 * (p - 1), 2 * (p - 1) / p)',
+                            '"allreduce": (2 * (p - 1), 1)'), "at p=3: 1·n bytes"),
+        "the per-call overhead forgotten": Wrong("point", predict(
+            0, "return c.overhead + steps", "return steps"), "the per-call overhead counted 0"),
+        "AdamW's state counted once per parameter": Wrong("point", predict(
+            1, '"optimizer": 2 * psi * s', '"optimizer": psi * s'), "two numbers per parameter"),
+        "ZeRO-1 shards the gradients too": Wrong("point", predict(
+            2, '"gradients": full * s', '"gradients": mine * s'),
+            "sharding the gradients is ZeRO-2"),
+        "tensor parallelism leaves the weights whole": Wrong("point", predict(
+            3, 'psi = L * ((model["block_params"] - whole) // t + whole)',
+            'psi = L * model["block_params"]'), "divides each block's weights by t"),
+        "1F1B's activations counted for every micro-batch, m in flight": Wrong("point", predict(
+            4, "k = min(p - rank, m)", "k = m"), "min(p - rank, m) micro-batches in flight"),
+        "the pipeline's bubble forgotten": Wrong("point", predict(
+            4, "(m - 1) * max(stage) + sum(stage)", "m * max(stage)"), "the bubble"),
     },
 }
 
