@@ -12,10 +12,12 @@ position or the optimizer's state goes elsewhere, and :func:`compare` says by ho
 from __future__ import annotations
 
 import random
+import shutil
 import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -56,11 +58,13 @@ def build(backend: Backend, strategy: str, config: FrankeConfig = CONFIG
 
 def run(backend: Backend, steps: int, *, strategy: str = "ddp", root: str | None = None,
         every: int = 0, stop_at: int | None = None, resume_from: str | None = None,
-        forget: Iterable[str] = (), check: bool = True, config: FrankeConfig = CONFIG
-        ) -> dict[str, Any]:
+        forget: Iterable[str] = (), check: bool = True, config: FrankeConfig = CONFIG,
+        pause: float = 0.0, fail_at: tuple[int, int] | None = None) -> dict[str, Any]:
     """Train to ``steps`` (or until ``stop_at``: the run dies there), saving under ``root``
     every ``every`` steps; ``resume_from`` a checkpoint folder first (``forget``, ``check``:
-    :func:`pcourse.resume.load`'s). Returns the state and the seconds each save and load took.
+    :func:`pcourse.resume.load`'s). ``pause``: seconds to sleep after each step (a slower
+    run, to be killed in); ``fail_at=(rank, step)``: that rank raises before that step.
+    Returns the state and the seconds each save and load took.
     """
     torch.set_num_threads(1)
     seed_generators(config.seed, backend.rank)
@@ -78,6 +82,10 @@ def run(backend: Backend, steps: int, *, strategy: str = "ddp", root: str | None
         batches = local_batches(config.n_points, backend.rank, backend.size, local,
                                 progress.seed, progress.epoch)
         for idx in batches[progress.batch:]:
+            if fail_at == (backend.rank, progress.step):
+                raise RuntimeError(f"rank {backend.rank} fails on purpose before step "
+                                   f"{progress.step}")
+            time.sleep(pause)
             xb = x[idx]
             if random.random() < 0.75:  # Python's generator
                 xb = xb + float(np.random.uniform(0, 0.02)) * torch.randn_like(xb)  # numpy, torch
@@ -130,3 +138,110 @@ def compare(reference: dict[str, Any], resumed: dict[str, Any]) -> dict[str, Any
             "losses": same_len and torch.equal(la, lb),
             "param_diff": (p - q).abs().max().item(),
             "loss_diff": (la - lb).abs().max().item() if same_len else float("inf")}
+
+
+def tear(root: str | Path, rank: int, size: int) -> None:
+    """On rank 0: make the newest checkpoint under ``root`` torn, as a writer that
+    overwrites in place leaves it when it dies: no manifest, and the last rank's file
+    still the one of the checkpoint before (its new one never landed)."""
+    if rank == 0:
+        new, old = sorted(Path(root).glob("step-*"), reverse=True)[:2]
+        (new / resume.MANIFEST).unlink()
+        last = f"rank{size - 1:05d}.pt"
+        shutil.copy(old / last, new / last)
+
+
+CONTROLS = {"no generator state": {"forget": ["rng"]},
+            "no data position": {"forget": ["position"]},
+            "no optimizer state": {"forget": ["optimizer"]},
+            "a torn write accepted": {"check": False}}
+
+
+def exactness(backend: Backend, root: str, strategy: str, steps: int = 24, every: int = 5,
+              dies_at: int = 18) -> dict[str, Any]:
+    """Collective: the run never interrupted; the run dying at ``dies_at`` after saving
+    every ``every`` steps, its last checkpoint torn (it died saving it), resumed; and the
+    four resumes that each lose one thing. This rank's comparisons."""
+    reference = run(backend, steps, strategy=strategy)
+    run(backend, steps, strategy=strategy, root=root, every=every, stop_at=dies_at)
+    barrier(backend)
+    tear(root, backend.rank, backend.size)
+    barrier(backend)
+    resumed = run(backend, steps, strategy=strategy, resume_from=root)
+    return {"resumed": compare(reference, resumed), "said": resumed["said"],
+            "load_s": resumed["load_s"], "controls": {
+                name: compare(reference, run(backend, steps, strategy=strategy,
+                                             resume_from=root, **how))
+                for name, how in CONTROLS.items()}}
+
+
+def barrier(backend: Backend) -> None:
+    """Wait for every rank (an allreduce: every backend has one, with its deadline)."""
+    backend.allreduce(torch.zeros(1), "sum", check=False)
+
+
+def first_ranks(p: int, name: str = "mpi", timeout: float | None = None) -> Backend | None:
+    """On an engine: a backend over the job's first ``p`` ranks; None on the others."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    part = world.Split(0 if world.rank < p else MPI.UNDEFINED, world.rank)
+    if part == MPI.COMM_NULL:
+        return None
+    from pcourse.backends import make_backend
+
+    return make_backend(name, comm=part, timeout=timeout)
+
+
+def versus_dcp(backend: Backend, ours: str, theirs: str, strategy: str = "ddp",
+               repeats: int = 5) -> dict[str, Any]:
+    """Collective, on a torch.distributed backend (Gloo): the newest checkpoint under
+    ``ours`` loaded, saved again with ours and with torch.distributed.checkpoint (DCP), each
+    loaded into a fresh model and optimizer, and compared; seconds per save and load.
+
+    A sharded optimizer's state goes to DCP under a key of each rank's own: under one key
+    DCP would take the ranks' different shards for copies of one tensor and keep one.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    model, opt, sched = build(backend, strategy)
+    resume.load(ours, backend, model, opt, sched)
+    key = "optimizer" if strategy == "ddp" else f"optimizer{backend.rank}"
+
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        m, o, s = build(backend, strategy)  # one step, so that the optimizer's state exists
+        m(torch.rand(4, 2)).sum().backward()
+        o.step()
+        return m, o, s
+
+    times: dict[str, list[float]] = {k: [] for k in ("ours save", "ours load", "DCP save",
+                                                     "DCP load")}
+    progress = resume.Progress(step=10**6)
+    for i in range(repeats):
+        barrier(backend)
+        t0 = time.perf_counter()
+        resume.save(f"{theirs}/ours", backend, model, opt, progress, sched, keep=1)
+        times["ours save"].append(time.perf_counter() - t0)
+        m1, o1, s1 = fresh()
+        barrier(backend)
+        t0 = time.perf_counter()
+        resume.load(f"{theirs}/ours", backend, m1, o1, s1)
+        times["ours load"].append(time.perf_counter() - t0)
+        barrier(backend)
+        t0 = time.perf_counter()
+        dcp.save({"model": model.state_dict(), key: opt.state_dict()},
+                 checkpoint_id=f"{theirs}/dcp{i}", process_group=backend.group)
+        times["DCP save"].append(time.perf_counter() - t0)
+        m2, o2, _ = fresh()
+        state = {"model": m2.state_dict(), key: o2.state_dict()}
+        barrier(backend)
+        t0 = time.perf_counter()
+        dcp.load(state, checkpoint_id=f"{theirs}/dcp{i}", process_group=backend.group)
+        m2.load_state_dict(state["model"])
+        o2.load_state_dict(state[key])
+        times["DCP load"].append(time.perf_counter() - t0)
+    equal = all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters(),
+                                                 strict=True)) \
+        and _equal(o1.state_dict(), o2.state_dict()) \
+        and _equal(o1.state_dict(), opt.state_dict())
+    return {"equal": equal, "times": times}
