@@ -36,7 +36,7 @@ the two together):
                        ``machine``, ``counting``, ``shapes``, ``memory``, ``step_time``,
                        ``compare``, ``scale`` (13)
     ``resume``         a checkpoint every rank writes, atomically, that resumes a run
-                       exactly (lesson 14, to come)
+                       exactly (14)
 
 Under both, the runtime layer (``runtime/``): ranks and devices (``ranks``), waits with
 deadlines (``waits``), and the private names of torch, ipyparallel and ipykernel the

@@ -1,27 +1,21 @@
 """A checkpoint every rank writes, that resumes a run exactly (lesson 14).
 
-A run resumes *exactly* when everything the next step reads is restored: the weights,
-the optimizer's state (Adam's moments and step count) and the learning-rate schedule,
-every random generator the step draws from (torch's, numpy's, Python's), and where in
-the data it was (epoch, batch, and the seed the partitioner reshuffles with: epoch e
-shuffles with ``seed + e``, lesson 02). Forget one and the resumed run goes elsewhere.
-
-Each rank writes what it holds, its own shard: a data-parallel rank its copy of the
-model and optimizer, a ZeRO-1 rank (lesson 10) the model and its slice of the
-optimizer's state. Nobody gathers the whole, so saving costs each rank its own bytes.
+A run resumes *exactly* when everything the next step reads comes back: the weights, the
+optimizer's state and the schedule's rate, every generator the step draws from (torch's,
+numpy's, Python's), and the data's position (epoch, batch, and the partitioner's seed:
+epoch e reshuffles with ``seed + e``, lesson 02). Each rank writes what it holds, its own
+shard (a ZeRO-1 rank its slice of the optimizer's state, lesson 10): nobody gathers it all.
 
 A checkpoint is a folder ``step-00000042/``: one file per rank (``rank00000.pt``), then
-``manifest.json``, which rank 0 writes only once every rank's file is on disk. Every
-file is written under a temporary name, fsynced and renamed (:func:`pcourse.utils.io.
-atomic_write`), the manifest last: a folder without a manifest is a write that never
-finished, and loading skips it. The manifest holds each file's length and SHA-256, the
-world size and the model's shapes, so a truncated file, another model or another world
-size is refused, naming the file.
+``manifest.json``, written by rank 0 once every rank's file is on disk. Each file goes
+under a temporary name, is fsynced and renamed (:func:`pcourse.utils.io.atomic_write`),
+the manifest last: a folder without one is a write that never finished, and is skipped.
+The manifest holds each file's length and SHA-256, the world size and the model's shapes,
+so a truncated file, another model or another world size is refused, naming the file.
 
-Loading reads and checks everything first, then the ranks agree, and only then is the
-state applied: an error on one rank is the same error on every rank, and nothing is
-half loaded. Nothing is unpickled: shards are read with ``torch.load(weights_only=True)``,
-which rebuilds tensors and plain data only, and the manifest is JSON.
+Loading reads and checks everything, the ranks agree, and only then is the state applied:
+an error on one rank is the same error on every rank, and nothing is half loaded. Nothing
+is unpickled: shards are read with ``torch.load(weights_only=True)``, the manifest is JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +26,7 @@ import json
 import os
 import random
 import re
+import shutil
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -169,11 +164,9 @@ def save(root: str | os.PathLike[str], backend: Backend, model: nn.Module,
             with atomic_write(folder / MANIFEST, "w") as f:  # last: now the folder is whole
                 json.dump(manifest, f, indent=1)
             _fsync_folder(folder)
-            if keep is not None:
-                for old in _complete(Path(root))[keep:]:
-                    for file in old.iterdir():
-                        file.unlink()
-                    old.rmdir()
+            for old in _complete(Path(root))[keep:] if keep is not None else []:
+                (old / MANIFEST).unlink()  # first: from now on the folder is ignored
+                shutil.rmtree(old)
         except OSError as exc:
             error = f"{folder / MANIFEST}: {exc.strerror or exc}"
     _agree(backend, error, f"saving {folder}")

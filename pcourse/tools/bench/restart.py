@@ -168,11 +168,14 @@ def exactness(backend: Backend, root: str, strategy: str, steps: int = 24, every
     tear(root, backend.rank, backend.size)
     barrier(backend)
     resumed = run(backend, steps, strategy=strategy, resume_from=root)
+    wrong = {name: run(backend, steps, strategy=strategy, resume_from=root, **how)
+             for name, how in CONTROLS.items()}
     return {"resumed": compare(reference, resumed), "said": resumed["said"],
-            "load_s": resumed["load_s"], "controls": {
-                name: compare(reference, run(backend, steps, strategy=strategy,
-                                             resume_from=root, **how))
-                for name, how in CONTROLS.items()}}
+            "load_s": resumed["load_s"],
+            "controls": {name: compare(reference, out) for name, out in wrong.items()},
+            "losses": {"uninterrupted": reference["losses"].tolist(),
+                       "resumed": resumed["losses"].tolist(),
+                       **{name: out["losses"].tolist() for name, out in wrong.items()}}}
 
 
 def barrier(backend: Backend) -> None:
@@ -245,3 +248,15 @@ def versus_dcp(backend: Backend, ours: str, theirs: str, strategy: str = "ddp",
         and _equal(o1.state_dict(), o2.state_dict()) \
         and _equal(o1.state_dict(), opt.state_dict())
     return {"equal": equal, "times": times}
+
+
+def how_it_ends(backend: Backend, steps: int, fail_at: tuple[int, int]) -> tuple[str, float]:
+    """Collective: :func:`run` with one rank raising at ``fail_at=(rank, step)``; how this
+    rank's run ended (the error's type and first sentence) and after how many seconds."""
+    started = time.monotonic()
+    try:
+        run(backend, steps, fail_at=fail_at)
+        ending = "finished"
+    except Exception as exc:  # noqa: BLE001 - reported, rank by rank
+        ending = f"{type(exc).__name__}: {str(exc).split('. ')[0]}"
+    return ending, time.monotonic() - started
