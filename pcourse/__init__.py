@@ -35,6 +35,8 @@ the two together):
     ``cost_model/``    a step's memory and time predicted per rank, before it runs:
                        ``machine``, ``counting``, ``shapes``, ``memory``, ``step_time``,
                        ``compare``, ``scale`` (13)
+    ``resume``         a checkpoint every rank writes, atomically, that resumes a run
+                       exactly (14)
 
 Under both, the runtime layer (``runtime/``): ranks and devices (``ranks``), waits with
 deadlines (``waits``), and the private names of torch, ipyparallel and ipykernel the

@@ -1,0 +1,139 @@
+"""Checkpoints that resume exactly (lesson 14, :mod:`pcourse.resume`).
+
+On MPI (tests/mpi/check_resume.py): a run interrupted and resumed equals the run never
+interrupted bit for bit, for DDP-style averaging and ZeRO-1, at 3 ranks (2 in the slow
+set, and Gloo); the four resumes that each lose one thing do not; bad checkpoints are
+refused on every rank alike. Here, in one process: the generators' round trip, what is
+skipped and what is refused, and that nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pcourse import resume
+from pcourse.tools.bench import restart
+
+SLOW_P = [3, pytest.param(2, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("p", SLOW_P)
+def test_a_resumed_run_is_the_uninterrupted_one_and_each_lost_part_breaks_it(mpi_run, p):
+    out = mpi_run(p, "check_resume.py", expect=f"resume OK on {p} ranks", timeout=300)
+    for strategy in restart.STRATEGIES:
+        for control in ("no generator state", "no data position", "no optimizer state",
+                        "a torn write accepted"):
+            assert f"{strategy} {control}: params differ by up to" in out
+
+
+@pytest.mark.slow
+def test_resume_on_gloo(mpi_run):
+    mpi_run(2, "check_resume.py", "gloo", expect="resume OK on 2 ranks (gloo)", timeout=300)
+
+
+def test_the_generators_come_back_where_they_were():
+    torch.manual_seed(1), np.random.seed(2), random.seed(3)
+    np.random.normal()  # numpy's cached Gaussian is state too
+    state = resume.rng_state()
+    want = (torch.rand(3), np.random.normal(size=3), [random.random() for _ in range(3)])
+    torch.manual_seed(9), np.random.seed(9), random.seed(9)
+    resume.set_rng_state(state)
+    got = (torch.rand(3), np.random.normal(size=3), [random.random() for _ in range(3)])
+    assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1])
+    assert want[2] == got[2]
+
+
+def _saved(tmp: Path, one_rank, steps: tuple[int, ...]) -> tuple:
+    backend = one_rank()
+    model, opt, sched = restart.build(backend, "ddp")
+    for step in steps:
+        resume.save(tmp, backend, model, opt, resume.Progress(step=step, seed=5), sched,
+                    keep=None)
+    return backend, model, opt, sched
+
+
+def test_the_newest_complete_checkpoint_is_loaded_and_the_rest_said(tmp_path, one_rank):
+    backend, model, opt, sched = _saved(tmp_path, one_rank, (4, 8))
+    (tmp_path / "step-00000012").mkdir()  # a write that never finished
+    progress, said = resume.load(tmp_path, backend, model, opt, sched)
+    assert progress.step == 8 and progress.seed == 5
+    assert said == ("resumed from step-00000008; skipped step-00000012: no manifest.json "
+                    "(a write that did not finish)")
+    assert not list(tmp_path.rglob("*.tmp"))  # no temporary file left behind
+
+
+def test_keep_leaves_the_newest_complete_ones(tmp_path, one_rank):
+    backend = one_rank()
+    model, opt, sched = restart.build(backend, "ddp")
+    for step in (1, 2, 3):
+        resume.save(tmp_path, backend, model, opt, resume.Progress(step=step), sched, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]
+
+
+def _refuses(tmp: Path, backend, parts, names: str) -> None:
+    before = [p.detach().clone() for p in parts[0].parameters()]
+    with pytest.raises(resume.CheckpointError, match="failed on rank 0") as info:
+        resume.load(tmp, backend, *parts)
+    assert names in str(info.value)
+    assert all(torch.equal(p, b) for p, b in zip(parts[0].parameters(), before, strict=True))
+
+
+def test_bad_checkpoints_are_refused_naming_the_file(tmp_path, one_rank):
+    backend = one_rank()
+    parts = restart.build(backend, "ddp")
+    _refuses(tmp_path / "nowhere", backend, parts, "nowhere: no such folder")
+    _refuses(tmp_path, backend, parts, "no complete checkpoint (the folder is empty)")
+    _saved(tmp_path, one_rank, (4,))
+    with torch.no_grad():
+        for p in parts[0].parameters():
+            p.add_(1.0)  # so that a partial load would show
+    folder = tmp_path / "step-00000004"
+    small = restart.build(backend, "ddp", restart.replace(restart.CONFIG, hidden=50))
+    _refuses(tmp_path, backend, small, f"{folder / 'manifest.json'}: another model")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "world_size": 4}))
+    _refuses(tmp_path, backend, parts, "written by 4 ranks, this job has 1; resuming at "
+                                       "another world size needs resharding")
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    shard = folder / "rank00000.pt"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-10])
+    _refuses(tmp_path, backend, parts, f"{shard}: {len(data) - 10} bytes, the manifest says "
+                                       f"{len(data)}")
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    _refuses(tmp_path, backend, parts, f"{shard}: its SHA-256 differs")
+
+
+class Canary:
+    ran = False
+
+    def __reduce__(self):
+        return (setattr, (Canary, "ran", True))
+
+
+def test_a_shard_that_would_run_code_is_refused_and_never_runs(tmp_path, one_rank):
+    backend, model, opt, sched = _saved(tmp_path, one_rank, (4,))
+    folder = tmp_path / "step-00000004"
+    shard = folder / "rank00000.pt"
+    torch.save({"model": Canary()}, shard)  # and a manifest that vouches for it
+    manifest = json.loads((folder / "manifest.json").read_text())
+
+    data = shard.read_bytes()
+    manifest["files"]["rank00000.pt"] = {"bytes": len(data),
+                                         "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    _refuses(tmp_path, backend, (model, opt, sched), f"{shard}: not a shard torch reads")
+    assert not Canary.ran
+
+
+def test_forget_takes_only_the_parts(tmp_path, one_rank):
+    backend, model, opt, sched = _saved(tmp_path, one_rank, (4,))
+    with pytest.raises(ValueError, match="forget takes some of"):
+        resume.load(tmp_path, backend, model, opt, forget=["weights"])
