@@ -75,9 +75,13 @@ lab: setup
 # idle while a test waits on a kernel, a cluster or a socket. TEST_JOBS=0: one process.
 TEST_JOBS ?= 2
 PYTEST := $(RUN) $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile
+# The type checker over the whole package, configured in pyproject.toml ([tool.mypy]): run by
+# `make lint`, and by `make test` (what CI runs) before the tests.
+MYPY := $(RUN) $(BIN)/mypy pcourse
 
 test: setup
 	$(PY) .ci/package_lines.py
+	$(MYPY)
 	$(PYTEST)
 
 # Everything but the notebooks and the tests marked slow (see the markers in pyproject.toml).
@@ -99,6 +103,7 @@ test-openmpi:
 
 lint: setup
 	$(RUN) $(BIN)/ruff check pcourse tests
+	$(MYPY)
 
 # CuPy and NCCL's runtime on top of the usual setup (a stamp of their own, so that
 # a venv set up without them still gets them here): the extra built for torch's CUDA,

@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from numbers import Integral
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -72,14 +73,17 @@ class Bucket:
         return all(self.staged)
 
 
-def plan_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+P = TypeVar("P", bound=torch.Tensor)  # a parameter, or a tensor standing for one (sizes)
+
+
+def plan_buckets(params: list[P], cap_bytes: int) -> list[list[P]]:
     """Group parameters, in the order given, into buckets of at most ``cap_bytes``.
 
     One bucket holds one dtype on one device (a flat tensor has one of each). A
     parameter larger than the cap gets a bucket of its own.
     """
-    buckets: list[list[nn.Parameter]] = []
-    open_: dict[tuple[torch.device, torch.dtype], tuple[list[nn.Parameter], int]] = {}
+    buckets: list[list[P]] = []
+    open_: dict[tuple[torch.device, torch.dtype], tuple[list[P], int]] = {}
     for p in params:
         key, nbytes = (p.device, p.dtype), p.numel() * p.element_size()
         current, used = open_.get(key, (None, 0))
@@ -221,6 +225,7 @@ class BucketedAllreduce:
         self._stage(bucket, i)
         if self.drive_progress:
             for earlier in self.buckets[:self._next]:
+                assert earlier.work is not None  # every bucket before _next was launched
                 earlier.work.test()
         self._launch_in_order()
 

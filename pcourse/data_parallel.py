@@ -19,7 +19,7 @@ The collectives after it skip the backends' own per-call check (``check=False``)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +35,7 @@ def _named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     yield from model.named_buffers()
 
 
-def check_same_model(tensors: list[torch.Tensor], backend: Backend, what: str,
+def check_same_model(tensors: Sequence[torch.Tensor], backend: Backend, what: str,
                      **also: int) -> None:
     """Raise ValueError on every rank if the ranks' tensor lists differ in shape or dtype.
 

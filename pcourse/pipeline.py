@@ -215,11 +215,13 @@ class Stage:
             start = time.perf_counter()
             self.group.recv(x, self.prev)
             self._mark(timeline, f"wait F {i}", start)
+        assert x is not None  # the first stage is given its input; the others received it
         x = x.detach().requires_grad_(self.prev is not None)
         start = time.perf_counter()
         with count_saved(self.module.parameters()) if self.instrumented else _Uncounted() as saved:
             out = self.module(x)
             if self.next is None:
+                assert self.loss_fn is not None and target is not None  # the last stage's
                 out = self.loss_fn(out, target) * scale
         self._mark(timeline, f"F {i}", start)
         self._held[i] = (x, out, saved.bytes)
@@ -244,6 +246,7 @@ class Stage:
         out.backward(grad)
         self._mark(timeline, f"B {i}", start)
         if self.prev is not None:
+            assert x.grad is not None  # x requires grad on every stage but the first
             self._sends.append(self.group.send(x.grad.contiguous(), self.prev))
 
     def _mark(self, timeline: Timeline, name: str, start: float) -> None:

@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pcourse.backends import Backend
-from pcourse.workloads.transformer import causal_attention
+from pcourse.workloads.transformer import MLP, Attention, Block, causal_attention
 
 
 def block_of(n: int, group: Backend, what: str) -> slice:
@@ -203,7 +203,9 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
         if self.bias is not None and sequence_parallel:
-            self.bias.sequence_parallel = True  # its gradient is a partial sum: see below
+            # its gradient is a partial sum: see below. (A mark of ours on torch's
+            # Parameter, which declares no such attribute: hence the ignore.)
+            self.bias.sequence_parallel = True  # type: ignore[attr-defined]
 
     @classmethod
     def from_linear(cls, layer: nn.Linear, group: Backend,
@@ -241,8 +243,8 @@ def sync_sequence_parallel_grads(model: nn.Module, group: Backend) -> None:
 
 def mark_sequence_parallel(module: nn.Module) -> nn.Module:
     """Mark every parameter of ``module`` (a norm) as replicated over a split sequence."""
-    for p in module.parameters():
-        p.sequence_parallel = True
+    for p in module.parameters():  # a mark of ours, which torch's Parameter does not declare
+        p.sequence_parallel = True  # type: ignore[attr-defined]
     return module
 
 
@@ -250,7 +252,7 @@ def mark_sequence_parallel(module: nn.Module) -> nn.Module:
 class ParallelMLP(nn.Module):
     """Column then row: one allreduce forward (``g``), one backward (``f``)."""
 
-    def __init__(self, mlp: nn.Module, group: Backend, sequence_parallel: bool = False) -> None:
+    def __init__(self, mlp: MLP, group: Backend, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, group, sequence_parallel)
         self.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, sequence_parallel)
@@ -263,7 +265,7 @@ class ParallelAttention(nn.Module):
     """Attention split by heads: q, k, v column-parallel (whole heads on each rank,
     one ``f`` for the three), the output projection row-parallel."""
 
-    def __init__(self, attn: nn.Module, group: Backend, sequence_parallel: bool = False) -> None:
+    def __init__(self, attn: Attention, group: Backend, sequence_parallel: bool = False) -> None:
         super().__init__()
         block_of(attn.n_heads, group, "the number of heads")
         self.n_heads = attn.n_heads // group.size
@@ -287,7 +289,7 @@ class ParallelBlock(nn.Module):
     after backward.
     """
 
-    def __init__(self, block: nn.Module, group: Backend, sequence_parallel: bool = False) -> None:
+    def __init__(self, block: Block, group: Backend, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
         if sequence_parallel:

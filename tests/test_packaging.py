@@ -81,6 +81,36 @@ def test_ci_runs_the_readme_test_command():
     assert "exec make test" in (REPO / ".ci" / "run").read_text()
 
 
+def test_the_type_checker_is_pinned_configured_and_run_by_ci(tmp_path):
+    """mypy: pinned in the `test` extra, configured in pyproject.toml with no module of the
+    package silenced, and run on the whole package by `make lint` and by `make test` (CI's
+    command), there after the line report and before the tests."""
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    pins = [r for r in pyproject["project"]["optional-dependencies"]["test"]
+            if _name(r) == "mypy"]
+    assert len(pins) == 1 and re.fullmatch(r"mypy==\d+(\.\d+)+", pins[0]), pins
+    config = pyproject["tool"]["mypy"]
+    assert config["python_version"] == "3.11" and "ignore_errors" not in config
+    for override in config.get("overrides", []):
+        modules = override["module"]
+        modules = [modules] if isinstance(modules, str) else modules
+        silenced = override.get("ignore_errors") or override.get("follow_imports") == "skip"
+        assert not (silenced and any(m.split(".")[0] == "pcourse" for m in modules)), override
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / ".pcourse-installed-mpich").touch()  # set up: the plan is the commands alone
+    env = {k: v for k, v in os.environ.items() if k not in ("MPI", "MAKEFLAGS", "MFLAGS")}
+    for target in ("test", "lint"):
+        plan = subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=60).stdout.splitlines()
+        checks = [k for k, line in enumerate(plan) if re.search(r"/mypy pcourse$", line)]
+        assert len(checks) == 1, plan
+        if target == "test":
+            lines_at = next(k for k, line in enumerate(plan) if "package_lines.py" in line)
+            tests_at = next(k for k, line in enumerate(plan) if "-m pytest" in line)
+            assert lines_at < checks[0] < tests_at, plan
+
+
 # import name -> distribution that provides it, for every third-party import we use
 DISTRIBUTIONS = {"torch": "torch", "numpy": "numpy", "mpi4py": "mpi4py", "ipyparallel":
                  "ipyparallel", "matplotlib": "matplotlib", "tqdm": "tqdm", "IPython": "ipython",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +68,8 @@ def make_backend(name: str, *, comm: Any = None, device: Any = None,
     Raises BackendUnavailable, with the reason, where this machine cannot run it.
     Creating a backend again in the same process (a re-run cell) is fine.
     """
-    cls = backend_class(name)
+    # every backend's constructor takes these keywords (the base class declares none)
+    cls: Callable[..., Backend] = backend_class(name)
     reason = unavailable_reason(name)
     if reason:
         raise BackendUnavailable(f"backend {name!r} cannot run here: {reason}")

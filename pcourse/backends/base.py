@@ -95,7 +95,8 @@ class Pending(Work):
 
     def __init__(self, wait_for: Callable[[], None], finish: Callable[[], None] | None = None,
                  keep: tuple = (), test: Callable[[], bool] | None = None) -> None:
-        self._wait_for, self._finish, self._keep = wait_for, finish, keep
+        self._wait_for: Callable[[], None] | None = wait_for  # None once waited for
+        self._finish, self._keep = finish, keep
         self._test = test
 
     def test(self) -> bool:
@@ -113,7 +114,7 @@ class Pending(Work):
         self._keep = ()
 
 
-def check_op(op: str) -> str:
+def check_op(op: str | None) -> str:
     if op not in OPS:
         raise ValueError(f"unknown reduction op {op!r}; use one of {', '.join(OPS)}")
     return op
@@ -257,13 +258,13 @@ class Backend(ABC):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
             if root is None:
-                check_op(op)
-                check_avg_dtype(tensor, op)
+                checked = check_op(op)
+                check_avg_dtype(tensor, checked)
             elif isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.size:
                 raise ValueError(f"root must be a rank from 0 to {self.size - 1}, got {root!r}")
             self._check_tensor(tensor, op)
             return {"length": tensor.numel(), "dtype": str(tensor.dtype).removeprefix("torch."),
-                    last: op if root is None else root}, None
+                    last: checked if root is None else root}, None
 
         checked_then_agreed(checks, ("length", "dtype", last), self.max_over_ranks, check=check,
                             subject=f"{kind} needs the same length, dtype and {last} on every rank",

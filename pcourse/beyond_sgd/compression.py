@@ -89,6 +89,12 @@ def allreduce_mean(tensors: list[torch.Tensor], group: Any) -> list[torch.Tensor
         [t.numel() for t in tensors]), strict=True)]
 
 
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad``, which backward has filled: every parameter averaged here has one."""
+    assert p.grad is not None, "no gradient: call backward first"
+    return p.grad
+
+
 def _shape(p: torch.Tensor) -> tuple[int, int]:
     return p.shape[0], p.numel() // p.shape[0]
 
@@ -127,11 +133,11 @@ class PowerSGD:
         exact = [q for q in self.params if q not in self.q]
         mats = [q for q in self.params if q in self.q]
         if exact:
-            for q, avg in zip(exact, allreduce_mean([q.grad for q in exact], self.group),
+            for q, avg in zip(exact, allreduce_mean([_grad(q) for q in exact], self.group),
                               strict=True):
-                q.grad.copy_(avg)
+                _grad(q).copy_(avg)
         if mats:
-            ms = [q.grad.reshape(_shape(q)) + self.error[q] for q in mats]  # error feedback
+            ms = [_grad(q).reshape(_shape(q)) + self.error[q] for q in mats]  # error feedback
             ps = allreduce_mean([m @ self.q[q] for m, q in zip(ms, mats, strict=True)],
                                 self.group)
             ps = [torch.linalg.qr(pm).Q for pm in ps]  # orthonormal columns
@@ -140,7 +146,7 @@ class PowerSGD:
                 approx = pm @ qm.T
                 self.error[q] = m - approx  # what this rank's gradient lost this step
                 self.q[q] = qm  # warm start
-                q.grad.copy_(approx.view_as(q.grad))
+                _grad(q).copy_(approx.view_as(q))  # q.grad has q's shape
         itemsize = self.params[0].element_size() if self.params else 4
         return ring_bytes(self.numbers_sent(), itemsize, dist.get_world_size(self.group))
 
@@ -162,7 +168,7 @@ def _ours(method: str, model: nn.Module, group: Any) -> Any:
         dtype = torch.bfloat16 if method == "bf16" else torch.float16
 
     def average() -> float:
-        grads = [q.grad for q in params]
+        grads = [_grad(q) for q in params]
         if dtype is not None:
             return low_precision_average(grads, group, dtype)
         for g, avg in zip(grads, allreduce_mean(grads, group), strict=True):
@@ -239,12 +245,14 @@ def compare(steps: int = 200, config: Any = None, lr: float = 1e-2, seed: int = 
     global batch's loss at every step.
     """
     from pcourse.backends import make_backend
+    from pcourse.backends.torch_dist import GlooBackend
     from pcourse.workloads import make_workload
     from pcourse.workloads.config import FrankeConfig
 
     config = config or FrankeConfig.quick()
     rows = []
     with make_backend("gloo") as backend:
+        assert isinstance(backend, GlooBackend)  # make_backend's class for "gloo"
         group, p, me = backend.group, backend.size, backend.rank
         runs = [("ours", m) for m in METHODS] + [("DDP", m) for m in DDP_METHODS]
         for who, method in runs:

@@ -93,6 +93,9 @@ class SyncBatchNorm1d(nn.Module):
     running estimate.
     """
 
+    running_mean: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    running_var: torch.Tensor
+
     def __init__(self, num_features: int, backend: Backend | None = None,
                  eps: float = 1e-5, momentum: float = 0.1) -> None:
         super().__init__()

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,7 +49,7 @@ class Setup:
     shards: str = "iid"  # "iid": random shards; "split": rank r owns the r-th strip in x
 
     @classmethod
-    def quick(cls, **changes: object) -> Setup:
+    def quick(cls, **changes: Any) -> Setup:
         return dataclasses.replace(cls(steps=600, eval_every=25), **changes)
 
 
@@ -166,10 +167,11 @@ def sgd_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float,
         average(model)
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):
+            assert p.grad is not None  # backward just gave every parameter one
             step = p.grad
             if velocity is not None:
                 step = velocity[i].mul_(momentum).add_(p.grad)
-            p -= lr * step
+            p.sub_(lr * step)  # in place
     return loss.detach()
 
 

@@ -106,7 +106,9 @@ def pick_gpu(name: str, device: str | torch.device | None, mpi: Any) -> torch.de
     elif mpi is not None:
         return local_gpu(mpi.allgather, mpi_local_rank(mpi)[0], name)
     elif "LOCAL_RANK" in os.environ:
-        index = gpu_for(int(os.environ["LOCAL_RANK"]))
+        local = gpu_for(int(os.environ["LOCAL_RANK"]))
+        assert local is not None, f"{name}: no GPU here (its constructor checks for one)"
+        index = local
     else:
         index = torch.cuda.current_device()
     use_gpu(index)
@@ -136,6 +138,7 @@ def local_gpu(allgather: Callable[[Any], list], local_rank: int, name: str) -> t
             f"would share a GPU or have none (this host: {here} ranks, "
             f"{torch.cuda.device_count()} GPUs); start at most one rank per GPU"
         )
+    assert index is not None  # a rank without a GPU has uuid "" and is crowded: raised above
     use_gpu(index)
     return torch.device("cuda", index)
 

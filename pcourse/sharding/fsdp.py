@@ -236,7 +236,7 @@ class _Gather(torch.autograd.Function):
         return unit.all_gather()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         unit, schedule = ctx.unit, ctx.unit.schedule
         unit.again.pop(ctx.call, None)  # the unit's backward is done: free them again
         mine = torch.empty_like(unit.shard)

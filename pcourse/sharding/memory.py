@@ -45,7 +45,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
         seen.add(s.data_ptr())
         return s.nbytes()
 
-    params = list(model.parameters())
+    params: list[torch.Tensor] = list(model.parameters())
     if isinstance(model, FullyShardedDataParallel):  # gathered ones alive now, if any
         params += [t for u in model.units
                    for t in (u.full, *u.again.values(), *(f for _, f in u.coming.values()))
@@ -244,6 +244,7 @@ def held_in_step(strategy: str, build: Callable[[], nn.Module], backend: Any,
             model = FullyShardedDataParallel(model, backend, shard=shard, prefetch=prefetch,
                                              overlap=overlap, compute_dtype=compute_dtype)
             finish = model.finish
+        opt: torch.optim.Optimizer
         if strategy in ("ddp", "fsdp"):
             opt = torch.optim.AdamW(model.parameters())
         elif strategy in ("zero1", "zero2"):

@@ -140,7 +140,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                                                      bucket_cap_bytes)]
             shards.append({"params": [b.flat[b.lo:b.hi] for b in mine] or [torch.zeros(0)],
                            **self._hyper(group)})
-        self.local = optimizer_cls(shards)  # steps this rank's slices only
+        # steps this rank's slices only. The ignore: type[Optimizer] is torch's base class,
+        # whose constructor also takes `defaults`; its subclasses (AdamW, ...) default them.
+        self.local = optimizer_cls(shards)  # type: ignore[call-arg]
         self._next = 0  # the next bucket to reduce: every rank starts them in this order
         if module is not None and overlap:
             self._wait_in_forward(module)
@@ -214,6 +216,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _reduce(self, bucket: _Bucket) -> None:
         """Start the bucket's reduce-scatter (the next in order); ZeRO-2 bounds those in flight."""
+        assert bucket.grad is not None  # _stage made it, holding every parameter's gradient
         out = bucket.avg if self.stage == 2 else bucket.grad.new_empty(bucket.hi - bucket.lo)
         bucket.reducing = self.backend.reduce_scatter_async(out, bucket.grad, "avg",
                                                             check=not self._checked)
@@ -224,6 +227,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _reduced(self, bucket: _Bucket) -> None:
         """Wait for the bucket's reduce-scatter; its averaged slice is the local gradient."""
+        assert bucket.reducing is not None and bucket.grad is not None  # _reduce started it
         bucket.reducing.wait()
         bucket.reducing = None
         if self.stage == 1:  # my slice, averaged, in the whole buffer
@@ -243,8 +247,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Wait for every all-gather the last ``step()`` started: every parameter is new."""
         self._gathered(self.buckets)
 
+    # torch declares step as two overloads (with a closure and without); one signature
+    # covering both, as torch's own optimizers write it, is not an override mypy accepts.
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(  # type: ignore[override]
+            self, closure: Callable[[], float] | None = None) -> float | None:
         """Average the gradients, step this rank's slice, all-gather the parameters."""
         loss = None
         if closure is not None:
@@ -281,6 +288,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         gradients live in it for good); ZeRO-2 drops the gradients."""
         for bucket in self.buckets:
             if self.stage == 1:
+                assert bucket.grad is not None  # ZeRO-1's buffer, made in _add, kept for good
                 bucket.grad.zero_()
                 for p, view in zip(bucket.params, _views(bucket.grad, bucket.params),
                                    strict=True):

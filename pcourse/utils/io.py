@@ -72,7 +72,8 @@ def sweep_temp_files(
     (a process on this host) has exited, or that are older than ``stale_after``
     seconds. Returns what was removed.
     """
-    here, now, removed = socket.gethostname(), time.time(), []
+    here, now = socket.gethostname(), time.time()
+    removed: list[Path] = []
     try:
         entries = list(os.scandir(folder))
     except OSError:

@@ -31,7 +31,8 @@ class Bar:
 
     def __init__(self, total: int, desc: str, unit: str = "it") -> None:
         self.total, self.desc, self.unit = total, desc, unit
-        self.start, self.shown = time.monotonic(), None
+        self.start = time.monotonic()
+        self.shown: tuple[int, int, str] | None = None
         self.handle: Any = None
         self.bar: Any = None
         self.publish: Any = None

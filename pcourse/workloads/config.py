@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class FrankeConfig:
     threads: int | None = 1
 
     @classmethod
-    def quick(cls, **changes: object) -> FrankeConfig:
+    def quick(cls, **changes: Any) -> FrankeConfig:
         """A small run for tests and notebooks: 512 points, 2 epochs."""
         base = cls(n_points=512, n_test=256, batch_size=64, epochs=2)
         return dataclasses.replace(base, **changes)
@@ -87,7 +88,7 @@ class MNISTConfig:
     threads: int | None = None  # keep init_rank's share of the cores: 784×512 layers use them
 
     @classmethod
-    def quick(cls, **changes: object) -> MNISTConfig:
+    def quick(cls, **changes: Any) -> MNISTConfig:
         """Test images 1,000 to 3,047 for training (the first 1,000 held out), 2 epochs,
         batch 128."""
         base = cls(split="test", limit=2048, epochs=2, batch_size=128)

@@ -141,7 +141,11 @@ def _call(name: str, comm: Any, x: np.ndarray, backend: Any) -> Callable[[], Any
 
     tensor = torch.from_numpy(x).to(backend.device)
     if backend.device.type == "cuda":  # time the work, not the launch
-        return lambda: (backend.allreduce(tensor, check=False), torch.cuda.synchronize())
+        def synced() -> None:
+            backend.allreduce(tensor, check=False)
+            torch.cuda.synchronize()
+
+        return synced
     return lambda: backend.allreduce(tensor, check=False)
 
 

@@ -55,7 +55,9 @@ class TracedBackend(Backend):
         self.inner = inner
         self.name, self.rank, self.size = inner.name, inner.rank, inner.size
         self.device, self.any_device = inner.device, inner.any_device
-        self.timeout = getattr(inner, "timeout", None)
+        # None for a stand-in without one (the tests' one-rank fake), which a float
+        # attribute cannot say: hence the ignore (every real backend sets it)
+        self.timeout = getattr(inner, "timeout", None)  # type: ignore[assignment]
         self.needs_gpu, self.native_avg = inner.needs_gpu, inner.native_avg
         self.reset()
 

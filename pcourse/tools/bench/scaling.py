@@ -107,11 +107,15 @@ def measure(comm: Any, spec: ScalingSpec, progress: jobs.Progress) -> None:
     progress.total = len(plan)
     warm = set()
     with jobs.RankGroups(comm, [p for _, p, _ in plan]) as groups:
+        # The lambdas bind the loop's values as defaults; mypy cannot infer such a lambda
+        # as the one-argument callable it is (hence the ignores).
         for backend, ranks, repeat in plan:
             if (backend, ranks) not in warm:  # before its first timed run, untimed
                 warm.add((backend, ranks))
-                groups.run(ranks, lambda sub, b=backend, p=ranks: warm_up(sub, spec, b, p))
-            row = groups.run(ranks, lambda sub, b=backend, r=repeat: run_once(sub, spec, b, r))
+                groups.run(ranks, lambda sub, b=backend, p=ranks: (  # type: ignore[misc]
+                    warm_up(sub, spec, b, p)))
+            row = groups.run(ranks, lambda sub, b=backend, r=repeat: (  # type: ignore[misc]
+                run_once(sub, spec, b, r)))
             if row is not None:
                 progress.done(f"{backend:>10} ×{ranks} run {repeat + 1}/{spec.repeats}: "
                               f"train {row['train_time']:.2f} s, wall {row['wall_time']:.2f} s, "
@@ -427,8 +431,11 @@ def spec_from(args: argparse.Namespace) -> ScalingSpec:
 def n_samples(spec: ScalingSpec) -> int:
     """Training samples; for MNIST the files are read and checked (without torch)."""
     if spec.workload == "franke":
+        assert isinstance(spec.config, FrankeConfig)  # build_config made the workload's own
         return spec.config.n_points
     from pcourse.workloads.mnist import read_mnist
+
+    assert isinstance(spec.config, MNISTConfig)
 
     images, _ = read_mnist(spec.config.split, spec.config.data_dir, limit=spec.config.limit)
     return len(images)
@@ -504,6 +511,7 @@ def report(args: argparse.Namespace, spec: ScalingSpec, outcome: Outcome) -> Non
         else:  # a plot against ranks with one rank count has nothing to show
             print("one rank count: no plot against ranks")
         if args.workload == "mnist" and spec.save_model:
+            assert isinstance(spec.config, MNISTConfig)  # build_config made the workload's own
             written += mnist_pictures(args.out, spec.config, spec.save_model)
     except (OSError, ValueError, RuntimeError) as exc:  # the CSV is safe; say what failed
         print(f"the pictures could not be drawn or written: {exc}", file=sys.stderr)

@@ -62,9 +62,9 @@ def build(strategy: str, make_model: Any, backend: Any) -> tuple[Any, Any, Any]:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
-        opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, process_group=group,
-                                      lr=1e-3)
-        return ddp, opt, None
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, process_group=group,
+                                       lr=1e-3)
+        return ddp, zero, None
     if strategy.startswith("fsdp"):
         ahead = strategy == "fsdp-prefetch"
         fsdp = FullyShardedDataParallel(model, backend, shard=nn.Linear, prefetch=int(ahead),
@@ -73,6 +73,7 @@ def build(strategy: str, make_model: Any, backend: Any) -> tuple[Any, Any, Any]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    assert group is not None  # torch's strategies run on a backend of torch's (a group)
     mesh = DeviceMesh.from_group(group, "cpu")
     for m in model.modules():
         if isinstance(m, nn.Linear):

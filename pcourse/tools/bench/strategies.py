@@ -189,6 +189,9 @@ def build(strategy: str, group: Any, shape: Any, mine: torch.Tensor | None, *,
     the same rank and size), on its input ``mine`` (:func:`local_input`)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+    if strategy in ("gpipe", "1f1b"):
+        return _pipeline(strategy, group, shape, mine, micro)
+    assert mine is not None  # only a pipeline's later stages have no input of their own
     if strategy.startswith("ddp"):
         return _ddp(strategy, group, shape, mine, bucket_cap)
     if strategy in ("zero1", "zero2"):
@@ -202,13 +205,10 @@ def build(strategy: str, group: Any, shape: Any, mine: torch.Tensor | None, *,
         from pcourse.sharding import FullyShardedDataParallel
         from pcourse.workloads.transformer import Block
 
-        model = FullyShardedDataParallel(nn.Sequential(*stack_blocks(shape)), group,
-                                         shard=Block, prefetch=int(strategy != "fsdp"))
-        opt = torch.optim.AdamW(model.parameters())
-        return _train(model, mine, model.finish, opt)
-    if strategy in ("tp", "sp"):
-        return _tp(strategy == "sp", group, shape, mine)
-    return _pipeline(strategy, group, shape, mine, micro)
+        sharded = FullyShardedDataParallel(nn.Sequential(*stack_blocks(shape)), group,
+                                           shard=Block, prefetch=int(strategy != "fsdp"))
+        return _train(sharded, mine, sharded.finish, torch.optim.AdamW(sharded.parameters()))
+    return _tp(strategy == "sp", group, shape, mine)  # "tp" or "sp": the rest
 
 
 def _ddp(strategy: str, group: Any, shape: Any, mine: torch.Tensor, bucket_cap: int) -> Run:

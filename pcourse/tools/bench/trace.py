@@ -221,7 +221,7 @@ def record_progress(ranks: int = 2, workload: str = "mnist", cap: int = MiB, rep
     # Open MPI (5.0, as pip installs it) has no progress thread to compare with: `ompi_info`
     # says "OMPI progress: no"; its btl_tcp_progress_thread moves TCP only, not shared memory.
     mpich_only("record_progress's 'progress thread' mode (MPIR_CVAR_ASYNC_PROGRESS)")
-    traces = {}
+    traces: dict[str, list[dict]] = {}
     for mode, (env, drive) in PROGRESS.items():
         args = ["-m", "pcourse.tools.bench.trace", "--workload", workload, "--cap", str(cap),
                 "--repeats", str(repeats), *(["--drive-progress"] if drive else [])]
@@ -274,9 +274,10 @@ def main(argv: list[str] | None = None) -> int:
                              drive_progress=args.drive_progress)
         # threads of this process: MPICH's progress thread, if it started, is one of them
         mine.append({**record, "repeat": k, "threads": psutil.Process().num_threads()})
-    rows = MPI.COMM_WORLD.gather(mine, root=0)
+    gathered = MPI.COMM_WORLD.gather(mine, root=0)  # None on every rank but 0
     if MPI.COMM_WORLD.rank == 0:
-        rows = [r for rank_rows in rows for r in rank_rows]
+        assert gathered is not None
+        rows = [r for rank_rows in gathered for r in rank_rows]
         if not report_rows(rows):
             json.dump(rows, sys.stdout)
     return 0

@@ -100,10 +100,13 @@ def check_allreduce(
             for size in sizes:
                 x = case_input(dtype, op, size, backend.rank, seed + size).to(backend.device)
                 cases.append((size, x, mpi_reference(x, op), x.clone()))
-            works = [backend.allreduce_async(y, op) if use_async else backend.allreduce(y, op)
-                     for _, _, _, y in cases]
-            for w in works if use_async else ():
-                w.wait()
+            if use_async:  # all started, then all waited for
+                works = [backend.allreduce_async(y, op) for _, _, _, y in cases]
+                for w in works:
+                    w.wait()
+            else:
+                for _, _, _, y in cases:
+                    backend.allreduce(y, op)
             for size, _, ref, y in cases:
                 ok, err = _compare(y, ref, op)
                 results.append(CaseResult(backend.name, op, str(dtype).removeprefix("torch."),

@@ -373,6 +373,7 @@ def _collect(proc: subprocess.Popen, timeout: float, echo: Callable[[str], objec
     all_exited = threading.Event()
 
     def pump() -> None:
+        assert proc.stdout is not None  # the job is started with stdout=PIPE
         for line in proc.stdout:
             # A rank whose output did not end its last line (print(..., end="")) gets
             # the marker glued to it: the rank's text is kept, on a line of its own.

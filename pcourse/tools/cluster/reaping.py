@@ -112,7 +112,7 @@ def sweep_mpi_segments(min_age: float = 1.0, dead: Collection[str] = ()) -> list
 
 def mapped_files(pids: Iterable[int] | None = None) -> set[str]:
     """Every /dev/shm file that these processes (default: all this user can see) map."""
-    paths = set()
+    paths: set[str] = set()
     where = Path("/proc")
     files = where.glob("[0-9]*/maps") if pids is None else (where / f"{p}/maps" for p in pids)
     for maps in files:

@@ -79,7 +79,9 @@ def strip_solutions(source: str, where: str = "cell") -> str:
     """The source with every marked region replaced by its stub."""
     lines = source.split("\n")
     for begin, end in reversed(_regions(lines, where)):
-        indent = re.match(r"\s*", lines[begin]).group(0)
+        blank = re.match(r"\s*", lines[begin])
+        assert blank is not None  # \s* matches every string
+        indent = blank.group(0)
         lines[begin:end + 1] = _stub(indent, lines[begin + 1:end])
     return "\n".join(lines)
 

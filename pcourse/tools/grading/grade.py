@@ -112,8 +112,8 @@ def find_submission(name: str, files: list[Path], known: dict[str, Path]
     renamed = [f for f in unnamed if looks_like(f, known) == name]
     if renamed:
         return None, "renamed", _renamed(renamed[0], name)
-    others = f" (other notebooks there: {', '.join(f.name for f in unnamed)})" if unnamed else ""
-    return None, "missing", f"missing: no {name}.ipynb{others}"
+    there = f" (other notebooks there: {', '.join(f.name for f in unnamed)})" if unnamed else ""
+    return None, "missing", f"missing: no {name}.ipynb{there}"
 
 
 def _renamed(path: Path, name: str) -> str:
@@ -164,7 +164,8 @@ def grade(notebooks: list[Path], jobs: int = JOBS, timeout: float = NOTEBOOK_TIM
     solutions = solutions_of(solutions)
     known = exercises(solutions)
     jailed = _jail_here() if jailed is None else jailed
-    grades, batches = [], {}
+    grades: list[Grade] = []
+    batches: dict[int | str, list[Task]] = {}  # owner: a job's index, or a learner
     for k, path in enumerate(map(Path, notebooks)):
         name = exercise_of(path, known)
         g = Grade(path, name or submission.safe_text(path.stem),

@@ -159,8 +159,11 @@ def _relay_classes() -> tuple[type, type]:
     ``isinstance`` holds, whose every call goes to the rank (their MPI handles are null:
     nothing is local)."""
     MPI = _mpi()
+    # mpi4py's classes, as _mpi() gives them (Any): mypy takes no base class from a variable
+    intracomm: Any = MPI.Intracomm
+    request: Any = MPI.Request
 
-    class Comm(MPI.Intracomm):
+    class Comm(intracomm):
         def __new__(cls, *args: Any) -> Any:
             return super().__new__(cls)
 
@@ -218,7 +221,7 @@ def _relay_classes() -> tuple[type, type]:
             rank, size = object.__getattribute__(self, "_shape")
             return f"<communicator: rank {rank} of {size}, through the grader>"
 
-    class Request(MPI.Request):
+    class Request(request):
         def __new__(cls, *args: Any) -> Any:
             return super().__new__(cls)
 

@@ -177,6 +177,8 @@ class _Worker:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pcourse.tools.grading.runner"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, start_new_session=True)
+        assert self.process.stdin is not None and self.process.stdout is not None  # PIPEs
+        self.stdout = self.process.stdout  # a line of JSON per result
         self.process.stdin.write(json.dumps(
             {"jailed": jailed, "tasks": [asdict(t) for t in tasks]}).encode())
         self.process.stdin.close()
@@ -203,29 +205,30 @@ def run_batches(batches: Iterable[list[Task]], workers: int, jailed: bool,
                 on_result: Callable[[Any, Result], None]) -> None:
     """Grade every batch in a worker process of its own, ``workers`` at a time;
     ``on_result(key, result)`` hears of each exercise as soon as it is decided."""
-    todo, running = deque(b for b in batches if b), []
+    todo = deque(b for b in batches if b)
+    running: list[_Worker] = []
     selector = selectors.DefaultSelector()
     try:
         while todo or running:
             while todo and len(running) < workers:
                 w = _Worker(todo.popleft(), jailed)
-                selector.register(w.process.stdout, selectors.EVENT_READ, w)
+                selector.register(w.stdout, selectors.EVENT_READ, w)
                 running.append(w)
             for key, _ in selector.select(timeout=1.0):
                 w = key.data
-                chunk = os.read(w.process.stdout.fileno(), 1 << 16)
+                chunk = os.read(w.stdout.fileno(), 1 << 16)
                 if chunk:
                     w.buffer += chunk
                     *lines, w.buffer = w.buffer.split(b"\n")
                     for text in lines:
                         _heard(w, json.loads(text), on_result)
                     continue
-                selector.unregister(w.process.stdout)
+                selector.unregister(w.stdout)
                 running.remove(w)
                 w.process.wait()
                 _end(w, "error", "the grader's worker process died", on_result)
             for w in [w for w in running if time.monotonic() > w.deadline]:
-                selector.unregister(w.process.stdout)
+                selector.unregister(w.stdout)
                 running.remove(w)
                 w.stop()
                 _end(w, "timeout", "did not finish within its time limit", on_result)
@@ -239,7 +242,7 @@ def _heard(w: _Worker, said: dict, on_result: Callable[[Any, Result], None]) -> 
     task = w.left.pop(json.dumps(said["key"]), None)
     if task is not None:
         result = Result(**said["result"])
-        result.checks = [tuple(c) for c in result.checks]
+        result.checks = [(passed, line) for passed, line in result.checks]  # JSON's lists
         on_result(task.key, result)
 
 

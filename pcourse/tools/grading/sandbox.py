@@ -222,8 +222,9 @@ def _jailed(binds: Sequence[Path], filter_file: Path, extra: Sequence[Path] = ()
     """The command that runs a command (appended to it) in a jail of its own: ``binds`` the
     only folders it may write, ``tmpfs`` an empty one of its own, ``env`` its environment
     (given: nothing else of the grader's; else the grader's own)."""
-    program = seccomp_program()
-    if program is None or bwrap() is None:
+    program, wrap, prlimit = seccomp_program(), bwrap(), shutil.which("prlimit")
+    setpriv = shutil.which("setpriv") if os.geteuid() == 0 else ""  # needed as root only
+    if program is None or wrap is None or prlimit is None or setpriv is None:
         raise RuntimeError(available()[1])
     filter_file = Path(filter_file)
     if not filter_file.is_file() or filter_file.read_bytes() != program:
@@ -235,7 +236,7 @@ def _jailed(binds: Sequence[Path], filter_file: Path, extra: Sequence[Path] = ()
     limits = [f"--{k}={nproc if k == 'nproc' else v}" for k, v in LIMITS.items()]
     own = [] if tmpfs is None else ["--perms", "01777", "--size", str(1 << 20), "--tmpfs",
                                     str(tmpfs)]
-    jail = [bwrap(), "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+    jail = [wrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             *view(extra), *parents([*([] if tmpfs is None else [tmpfs]), *binds]), *own,
             *[a for b in binds for a in ("--bind", str(b), str(b))], "--chdir", "/tmp",
@@ -244,7 +245,7 @@ def _jailed(binds: Sequence[Path], filter_file: Path, extra: Sequence[Path] = ()
             "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp", "--seccomp", "9"]
     if os.geteuid() == 0:  # become nobody (setpriv), then nothing can be regained
         jail += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
-                 "--", shutil.which("setpriv"), f"--reuid={UID}", f"--regid={UID}",
+                 "--", setpriv, f"--reuid={UID}", f"--regid={UID}",
                  "--clear-groups", "--inh-caps=-all"]
     else:  # a user namespace of bubblewrap's: nobody inside, this user outside
         jail += ["--unshare-user", "--uid", str(UID), "--gid", str(UID), "--cap-drop", "ALL",
@@ -254,7 +255,7 @@ def _jailed(binds: Sequence[Path], filter_file: Path, extra: Sequence[Path] = ()
     join = "".join(f'echo $$ >"{g}/cgroup.procs" || {{ echo "pcourse: cannot join the cgroup '
                    f'{g}" >&2; exit 125; }}; ' for g in groups)
     return ["sh", "-c", f'exec 9<"$0"; {join}exec "$@"', str(filter_file),
-            shutil.which("prlimit"), *limits, "--", *jail]
+            prlimit, *limits, "--", *jail]
 
 
 def _my_threads() -> int:

@@ -329,9 +329,9 @@ class _Reader(ast.NodeVisitor):
                     if isinstance(sub, ast.Global | ast.Nonlocal) for n in sub.names}
         local = params | {n for stmt in body for n in _stored_names(stmt)}
         self.scopes.append(local - declared)
-        for d in a.defaults + a.kw_defaults:
-            if d is not None:
-                self.visit(d)
+        for default in a.defaults + a.kw_defaults:
+            if default is not None:
+                self.visit(default)
         for stmt in body:
             self.visit(stmt)
         self.scopes.pop()
@@ -398,7 +398,8 @@ class _Reader(ast.NodeVisitor):
 
     def _changes(self, node: ast.Attribute | ast.Subscript) -> None:
         """An attribute or item stored: fine on the learner's own objects, not on modules."""
-        chain, root = [], node
+        chain: list[str] = []
+        root: ast.expr = node
         while isinstance(root, ast.Attribute | ast.Subscript):
             if isinstance(root, ast.Attribute):
                 chain.append(root.attr)

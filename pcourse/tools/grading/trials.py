@@ -197,7 +197,9 @@ def _guarded(request: Any, timeout: float, what: str) -> Any:
     """
     global _guarded_request
     if _guarded_request is None:
-        class GuardedRequest(_mpi().Request):
+        base: Any = _mpi().Request  # mypy takes no base class from a call; mpi4py's, as Any
+
+        class GuardedRequest(base):
             def Wait(self, status: Any = None) -> bool:
                 _poll(self, status, self.timeout, self.what, SEND_HINT)
                 return True

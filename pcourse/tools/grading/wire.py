@@ -45,7 +45,9 @@ class Call(NamedTuple):
     """One communicator call, as a check sees it (made and recorded by a rank)."""
 
     name: str  # the method called, e.g. "Sendrecv"
-    count: int  # numbers in the buffer it sent (or received, for a receive)
+    # numbers in the buffer it sent (or received, for a receive). The field shadows
+    # tuple.count, which no record uses; mypy cannot tell a field from the method it hides.
+    count: int  # type: ignore[assignment]
     peer: int | None  # dest of a send, source of a receive, root of a rooted collective
 
 

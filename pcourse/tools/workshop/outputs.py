@@ -178,7 +178,7 @@ def notebook_code(nb: nbformat.NotebookNode) -> list[str]:
         if lines and lines[0].startswith("%%"):
             lines = lines[1:]  # %%px, %%time: the body is Python
         cells.append("\n".join(
-            re.match(r"\s*", ln).group(0) + "pass" if ln.lstrip().startswith(("%", "!"))
+            ln[:len(ln) - len(ln.lstrip())] + "pass" if ln.lstrip().startswith(("%", "!"))
             else ln for ln in lines))
     return cells
 
@@ -212,8 +212,10 @@ def dependencies(nb: nbformat.NotebookNode, root: Path) -> Fingerprint:
         for i in range(1, len(parts) + 1):
             module = ".".join(parts[:i])
             path = index.get(module)
-            rel = path and path.relative_to(root).as_posix()
-            if path is None or rel in seen:
+            if path is None:
+                continue
+            rel = path.relative_to(root).as_posix()
+            if rel in seen:
                 continue
             digest, refs = _read(path)
             seen[rel] = digest

@@ -298,7 +298,8 @@ def plan(items: list[_Item], sessions: int) -> tuple[list[str], list[_Item]]:
     Items keep the course order; one that does not fit in what is left of a block
     starts the next block; the plan ends at the first item that fits in no block.
     """
-    rows, now, used, session = [], 0, 0, 1
+    rows: list[str] = []
+    now, used, session = 0, 0, 1
     for i, item in enumerate(items):
         if used + item.minutes > SESSION_MINUTES and used > 0:
             if session == sessions:
@@ -379,13 +380,14 @@ def updated(data: dict, root: Path) -> dict[Path, str]:
         out[path] = text if nb is None else nbformat.writes(nb) + "\n"
     machine = _machine(data, "quick")
     for item in _items(data, root):
-        for rel in estimate_paths(item):
-            nb = nbformat.read(root / rel, as_version=4)
+        for notebook in estimate_paths(item):
+            nb = nbformat.read(root / notebook, as_version=4)
             cell = next((c for c in nb.cells if c.cell_type == "markdown"), None)
             if cell is None or begin(ESTIMATE) not in cell.source:
-                raise ValueError(f"{rel}: its first markdown cell has no {ESTIMATE!r} markers")
+                raise ValueError(f"{notebook}: its first markdown cell has no {ESTIMATE!r} "
+                                 "markers")
             cell.source = replace_block(cell.source, ESTIMATE, estimated_time(item, machine))
-            out[root / rel] = nbformat.writes(nb) + "\n"
+            out[root / notebook] = nbformat.writes(nb) + "\n"
     return out
 
 

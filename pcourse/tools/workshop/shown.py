@@ -94,7 +94,8 @@ class _Cell(ast.NodeVisitor):
     Function and class bodies run elsewhere (on the engines, or later): not walked."""
 
     def __init__(self, names: dict[str, str]) -> None:
-        self.names, self.calls = names, []
+        self.names = names
+        self.calls: list[tuple[list[ast.expr], dict[str, str]]] = []  # (arguments, names then)
 
     def visit_FunctionDef(self, node: ast.AST) -> None:
         pass
@@ -194,10 +195,12 @@ def shown(root: Path | None = None) -> list[Shown]:
 def spans(objects: list[Any]) -> list[tuple[str, int, int]]:
     """(file, first line, last line) of each object's source, each once: a span inside
     another (a method of a class also shown whole) is read once, with the other."""
-    found = set()
+    found: set[tuple[str, int, int]] = set()
     for obj in map(inspect.unwrap, objects):  # a decorated function: its own source
         lines, start = inspect.getsourcelines(obj)
-        found.add((inspect.getsourcefile(obj), max(start, 1), max(start, 1) + len(lines) - 1))
+        path = inspect.getsourcefile(obj)
+        assert path is not None  # getsourcelines read it
+        found.add((path, max(start, 1), max(start, 1) + len(lines) - 1))
     return sorted(s for s in found if not any(o != s and o[0] == s[0] and o[1] <= s[1]
                                               and s[2] <= o[2] for o in found))
 
@@ -210,10 +213,11 @@ def lines(span: tuple[str, int, int]) -> tuple[int, int]:
     nor part of a docstring."""
     path, first, last = span
     text = Path(path).read_text()
-    docstrings = set()
+    docstrings: set[int] = set()
     for node in ast.walk(ast.parse(text)):  # the whole file: a span may not parse alone
         if isinstance(node, _HAS_DOCSTRING) and ast.get_docstring(node, clean=False):
             first_statement = node.body[0]
+            assert first_statement.end_lineno is not None  # ast.parse sets it
             docstrings.update(range(first_statement.lineno, first_statement.end_lineno + 1))
     read = text.splitlines()[first - 1:last]
     code = [n for n, line in enumerate(read, first)
