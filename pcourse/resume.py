@@ -67,7 +67,8 @@ class Progress:
 def rng_state() -> dict[str, Any]:
     """torch's, numpy's and Python's global generators, as tensors and plain numbers
     (what ``torch.load(weights_only=True)`` reads back: no numpy objects, no pickle)."""
-    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    _, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)  # MT19937's tuple
+    assert isinstance(keys, np.ndarray)  # legacy=True: the key is an array, never a str
     version, words, gauss_next = random.getstate()
     return {"torch": torch.get_rng_state(),
             "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
@@ -189,7 +190,7 @@ def latest(root: str | os.PathLike[str]) -> tuple[Path, list[str]]:
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such folder, so no checkpoint to resume from")
-    skipped = []
+    skipped: list[str] = []
     for folder in _folders(root):
         if (folder / MANIFEST).is_file():
             return folder, skipped

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from pcourse.data_parallel import average_gradients_flat
 from pcourse.loop import local_batches
 from pcourse.sharding import ShardedOptimizer
 from pcourse.workloads.franke import FrankeConfig, make_data, make_model
+
+if TYPE_CHECKING:
+    from pcourse.backends.torch_dist import GlooBackend
 
 STRATEGIES = ("ddp", "zero1")
 # 480 points, a global batch of 48: 10 steps an epoch, equal shares at 2, 3 and 4 ranks.
@@ -49,10 +52,11 @@ def build(backend: Backend, strategy: str, config: FrankeConfig = CONFIG
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     model = make_model(config.hidden, config.seed)
-    hyper = {"lr": config.lr, "weight_decay": config.weight_decay}
+    lr, decay = config.lr, config.weight_decay
     opt: torch.optim.Optimizer = (
-        torch.optim.Adam(model.parameters(), **hyper) if strategy == "ddp"
-        else ShardedOptimizer(model.parameters(), torch.optim.Adam, backend=backend, **hyper))
+        torch.optim.Adam(model.parameters(), lr=lr, weight_decay=decay) if strategy == "ddp"
+        else ShardedOptimizer(model.parameters(), torch.optim.Adam, backend=backend, lr=lr,
+                              weight_decay=decay))
     return model, opt, torch.optim.lr_scheduler.ExponentialLR(opt, gamma=config.gamma)
 
 
@@ -151,7 +155,7 @@ def tear(root: str | Path, rank: int, size: int) -> None:
         shutil.copy(old / last, new / last)
 
 
-CONTROLS = {"no generator state": {"forget": ["rng"]},
+CONTROLS: dict[str, dict[str, Any]] = {"no generator state": {"forget": ["rng"]},
             "no data position": {"forget": ["position"]},
             "no optimizer state": {"forget": ["optimizer"]},
             "a torn write accepted": {"check": False}}
@@ -196,7 +200,7 @@ def first_ranks(p: int, name: str = "mpi", timeout: float | None = None) -> Back
     return make_backend(name, comm=part, timeout=timeout)
 
 
-def versus_dcp(backend: Backend, ours: str, theirs: str, strategy: str = "ddp",
+def versus_dcp(backend: GlooBackend, ours: str, theirs: str, strategy: str = "ddp",
                repeats: int = 5) -> dict[str, Any]:
     """Collective, on a torch.distributed backend (Gloo): the newest checkpoint under
     ``ours`` loaded, saved again with ours and with torch.distributed.checkpoint (DCP), each
