@@ -435,6 +435,47 @@ def launch_and_report(module: str, argv: Sequence[str], ranks: int, *, timeout: 
     return 0
 
 
+def run_command(module: str, argv: Sequence[str], measure: Callable, spec: Any,
+                report: Callable[[Outcome], object], *, ranks: int, timeout: float,
+                prepare: Callable[[], str], error: Callable[[str], object],
+                refused: tuple[type[Exception], ...] = (),
+                partial: str | os.PathLike[str] | None = None,
+                write: Callable[[Path, list[dict]], object] | None = None,
+                what: str = "benchmark", env: dict[str, str] | None = None) -> int:
+    """Every benchmark's ``main`` once its arguments are read: one tail, so that each
+    command line refuses, launches and reports alike; an exit code.
+
+    On a rank (of our job, or of the user's own mpiexec): :func:`rank_main`, which does
+    not return. In the launcher: ``prepare()`` refuses what cannot run before anything
+    starts, raising :class:`BenchError`, NotWritable or one of ``refused`` (``error``,
+    argparse's, says it and exits), and returns the note :func:`check_ranks` made; then
+    the job on ``ranks`` ranks and ``report`` of its outcome. With ``partial``, the rows
+    are kept as they come (:func:`launch_and_report`); without, a failure is one line.
+    """
+    from pcourse.runtime.ranks import launcher
+    from pcourse.utils.io import NotWritable
+
+    if launcher() == "mpi":
+        rank_main(measure, spec, report)
+    try:
+        note = prepare()
+    except (BenchError, NotWritable, *refused) as exc:
+        error(f"{exc}\nNothing was started.")
+        raise  # error exits; for one that returns
+    if note:
+        print(note)
+    if partial is not None:
+        return launch_and_report(module, argv, ranks, timeout=timeout, partial=partial,
+                                 write=write, report=report, what=what, env=env)
+    try:
+        outcome = launch(module, argv, ranks, timeout=timeout, env=env)
+    except BenchError as exc:
+        print(f"error: the {what} failed: {exc}", file=sys.stderr)
+        return 1
+    report(outcome)
+    return 0
+
+
 # ---- the command line's checks and results files --------------------------------------
 
 
