@@ -449,22 +449,24 @@ def run_command(module: str, argv: Sequence[str], measure: Callable, spec: Any,
     not return. In the launcher: ``prepare()`` refuses what cannot run before anything
     starts, raising :class:`BenchError`, NotWritable or one of ``refused`` (``error``,
     argparse's, says it and exits), and returns the note :func:`check_ranks` made; then
-    the job on ``ranks`` ranks and ``report`` of its outcome. With ``partial``, the rows
-    are kept as they come (:func:`launch_and_report`); without, a failure is one line.
+    the job on ``ranks`` ranks and ``report`` of its outcome. With ``partial`` (and
+    ``write``), the rows are kept as they come (:func:`launch_and_report`); without, a
+    failure is one line.
     """
     from pcourse.runtime.ranks import launcher
     from pcourse.utils.io import NotWritable
 
     if launcher() == "mpi":
         rank_main(measure, spec, report)
+    refusals: tuple[type[Exception], ...] = (BenchError, NotWritable, *refused)
     try:
         note = prepare()
-    except (BenchError, NotWritable, *refused) as exc:
+    except refusals as exc:
         error(f"{exc}\nNothing was started.")
         raise  # error exits; for one that returns
     if note:
         print(note)
-    if partial is not None:
+    if partial is not None and write is not None:
         return launch_and_report(module, argv, ranks, timeout=timeout, partial=partial,
                                  write=write, report=report, what=what, env=env)
     try:
