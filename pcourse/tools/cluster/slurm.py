@@ -189,7 +189,7 @@ class Slurm:
         if not text:
             return None
         names = [f.name for f in dataclasses.fields(cls)]
-        given = {}
+        given: dict[str, Any] = {}
         for item in text.split():
             key, eq, value = item.partition("=")
             if not eq or key not in names:
