@@ -23,7 +23,8 @@ the two together):
     ``beyond_sgd/``    weight averaging, synchronised BatchNorm, Hogwild, compressed
                        gradients: ``weight_averaging``, ``syncbn``, ``hogwild``,
                        ``compression`` (08)
-    ``multinode``      hostfiles and launchers for several nodes (09)
+    ``multinode``      hostfiles and launchers for several nodes, the node-aware
+                       allreduce (09)
     ``sharding/``      ZeRO-1 and ZeRO-2 (``zero``), FSDP (``fsdp``) on reduce-scatter
                        and all-gather, and what a rank holds (``memory``) (10)
     ``tensor_parallel`` column- and row-parallel layers, f and g, attention by heads,

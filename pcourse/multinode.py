@@ -16,6 +16,11 @@ launcher that writes them; :func:`configure_gpus` sets a cluster up to use it.
 --standalone --nproc-per-node=N -m pcourse.multinode``): no MPI, the rank and the
 meeting point from the variables torchrun sets.
 
+:func:`node_aware_allreduce` is the allreduce that knows where the ranks are: reduced
+inside each node, allreduced between one rank per node, broadcast inside each node again,
+so that only one rank per node uses the network; :func:`node_groups` makes the process
+groups it runs in.
+
 Lesson 09 explains hostfiles, schedulers, torchrun and the interface variables.
 """
 
@@ -27,6 +32,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import ipyparallel as ipp
 from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
@@ -160,6 +166,45 @@ def torchrun_allreduce() -> None:
                          f"set: {meeting}; sum of rank + 1 over the ranks: {total.item():g} "
                          f"(n(n+1)/2 = {be.size * (be.size + 1) / 2:g})\n")
         sys.stdout.flush()
+
+
+def node_groups(per_node: int) -> tuple[Any, Any, int]:
+    """This rank's node's process group, the group of the nodes' first ranks (the
+    leaders), and this node's leader (a global rank), for :func:`node_aware_allreduce`.
+
+    Ranks are placed on the nodes in blocks of ``per_node`` (ranks 0 to per_node - 1 on
+    the first), as a hostfile's slots and Slurm place them by default. Call it on every
+    rank at once, before the allreduces: torch.distributed has every rank make every
+    group, even those it is not in.
+    """
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if per_node < 1 or size % per_node:
+        raise ValueError(f"{size} ranks do not fill nodes of {per_node}: per_node must "
+                         "divide the world size")
+    nodes = [list(range(first, first + per_node)) for first in range(0, size, per_node)]
+    inside = [dist.new_group(ranks) for ranks in nodes]
+    leaders = dist.new_group([ranks[0] for ranks in nodes])
+    return inside[rank // per_node], leaders, rank - rank % per_node
+
+
+def node_aware_allreduce(tensor: Any, node: Any, leaders: Any, leader: int) -> None:
+    """Sum ``tensor`` over every rank, in place, with one rank per node on the network.
+
+    ``node``, ``leaders`` and ``leader`` are :func:`node_groups`' answer for this rank.
+    Why: between nodes the network is the slow link, inside one the memory is fast. A
+    flat ring of p ranks sends 2(p-1)/p · N bytes over each of its links, some of which
+    cross the network; here each node first reduces to its leader over the fast link,
+    only the leaders allreduce across the network (N bytes each, for two nodes), and each
+    leader broadcasts the sum inside its node. Lesson 09 counts the bytes on the network.
+    """
+    import torch.distributed as dist
+
+    dist.reduce(tensor, dst=leader, group=node)
+    if dist.get_rank() == leader:
+        dist.all_reduce(tensor, group=leaders)
+    dist.broadcast(tensor, src=leader, group=node)
 
 
 if __name__ == "__main__":

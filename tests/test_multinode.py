@@ -94,3 +94,26 @@ def test_a_slurm_cluster_asks_for_the_gpus_its_job_is_given(monkeypatch, tmp_pat
     monkeypatch.setenv(engines.SLURM_ENV, "gpus_per_task=one")
     with pytest.raises(engines.ClusterError, match="gpus_per_task=one"):
         engines.Slurm.from_env()
+
+
+
+@pytest.mark.slow
+def test_the_node_aware_allreduce_sums_as_gloos_own_at_every_node_size():
+    """multinode.node_aware_allreduce (lesson 09) against dist.all_reduce, 6 ranks in nodes
+    of 1, 2, 3 and 6 (tests/torchrun/check_node_aware.py)."""
+    import os
+    import subprocess
+    import sys
+
+    from pcourse.tools.cluster.launch import kill_group
+
+    proc = subprocess.Popen([sys.executable, "tests/torchrun/check_node_aware.py", "6"],
+                            cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert "node-aware allreduce OK (6 ranks, nodes of [1, 2, 3, 6])" in out

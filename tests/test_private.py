@@ -18,13 +18,13 @@ from pcourse.runtime import private
 def test_the_course_view_overrides_ipyparallels_apply_entry_with_its_signature():
     import ipyparallel as ipp
 
-    from pcourse.tools.cluster.engines import _InterruptibleView
+    from pcourse.tools.cluster.view import InterruptibleView
 
     theirs = getattr(ipp.DirectView, private.VIEW_APPLY, None)
     assert theirs is not None, f"ipyparallel's DirectView has no {private.VIEW_APPLY} any more"
     assert list(inspect.signature(theirs).parameters)[:6] == [
         "self", "f", "args", "kwargs", "targets", "block"]
-    assert private.VIEW_APPLY in vars(_InterruptibleView)
+    assert private.VIEW_APPLY in vars(InterruptibleView)
 
 
 def test_ipyparallels_client_and_async_result_keep_the_attributes_read():

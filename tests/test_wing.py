@@ -37,9 +37,6 @@ EXCEPTIONS = {
     "pcourse.tools.cluster.netns.pingpong":
         "lesson 09 shows the ping-pong each stand-in node's rank times to fit the stand-in "
         "link's alpha and beta: the apparatus again, measured as lesson 03 measures",
-    "pcourse.tools.cluster.netns.node_aware":
-        "lesson 09 shows the node-aware allreduce its four stand-in ranks run, with the "
-        "kernel's byte counters of the stand-in cable read around it",
 }
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 # ipyparallel.DirectView: the method every apply goes through; the course's view
-# (pcourse.tools.cluster.engines) overrides it to pass an interrupt on to the engines.
+# (pcourse.tools.cluster.view) overrides it to pass an interrupt on to the engines.
 VIEW_APPLY = "_really_apply"
 # ipykernel's Kernel calls these around every request it handles; the interrupt
 # watcher (pcourse.runtime.waits) wraps them to know whether a cell is running.

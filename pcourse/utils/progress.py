@@ -12,7 +12,7 @@ every saved output. :class:`Bar` serves both, wherever the code runs:
   (:func:`pcourse.tools.workshop.outputs.strip`, ``make lessons``);
 - **on an ipyparallel engine** (rank 0 of a training run): the state is published
   with ipyparallel's ``publish_data``; the notebook's blocking ``apply`` shows it in
-  such a display (:func:`pcourse.tools.cluster.engines` watches :func:`latest`);
+  such a display (:mod:`pcourse.tools.cluster.view` watches :func:`latest`);
 - **in a terminal**: a tqdm bar on stderr that clears itself. Elsewhere (pipes,
   logs, tests): nothing.
 """

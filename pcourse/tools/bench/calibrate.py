@@ -33,7 +33,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pcourse.runtime.ranks import launcher
 from pcourse.tools.bench import jobs
 
 KINDS = ("allreduce", "reduce_scatter", "all_gather", "send")
@@ -450,32 +449,25 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from pcourse.cost_model.machine import CostModelError
-    from pcourse.utils.io import NotWritable, check_writable
+    from pcourse.utils.io import check_writable
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     base = Spec.quick() if args.quick else Spec()
     spec = dataclasses.replace(base, ranks=tuple(sorted(set(args.ranks))),
                                backends=tuple(args.backends))
-    if launcher() == "mpi":
-        jobs.rank_main(measure, spec, lambda o: report(machine_from(o.rows, describe()),
-                                                        args.out))
-    try:
+
+    def prepare() -> str:
         spec.check()
         note = jobs.check_ranks(spec.ranks, args.oversubscribe)
         check_writable(args.out, "file")
-    except (CostModelError, jobs.BenchError, NotWritable) as exc:
-        parser().error(f"{exc}\nNothing was started.")
-    if note:
-        print(note)
-    try:
-        outcome = jobs.launch("pcourse.tools.bench.calibrate", argv, max(spec.ranks),
-                              timeout=args.timeout, env={"OMP_NUM_THREADS": "1"})
-    except jobs.BenchError as exc:
-        print(f"error: the calibration failed: {exc}", file=sys.stderr)
-        return 1
-    report(machine_from(outcome.rows, describe()), args.out)
-    return 0
+        return note
+
+    return jobs.run_command(
+        "pcourse.tools.bench.calibrate", argv, measure, spec,
+        lambda o: report(machine_from(o.rows, describe()), args.out), ranks=max(spec.ranks),
+        timeout=args.timeout, prepare=prepare, error=parser().error, refused=(CostModelError,),
+        what="calibration", env={"OMP_NUM_THREADS": "1"})
 
 
 if __name__ == "__main__":

@@ -34,11 +34,10 @@ from typing import Any
 import numpy as np
 
 from pcourse import collectives
-from pcourse.runtime.ranks import launcher
 from pcourse.timing import time_call
 from pcourse.tools.bench import jobs
 from pcourse.tools.bench.commreport import FIELDS, add_rates, human, report
-from pcourse.utils.io import NotWritable, check_writable, write_csv
+from pcourse.utils.io import check_writable, write_csv
 
 METHODS = ("mpi", "mpi-pickle", "tree", "ring", "recursive-doubling", "gloo", "nccl",
            "nccl-cupy")
@@ -277,22 +276,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if launcher() == "mpi":  # a rank of our job, or of the user's own mpiexec
-        jobs.rank_main(measure, args.spec,  # does not return
-                       lambda outcome: report(add_rates(outcome.rows), args.out, args.plot))
-    try:
+
+    def prepare() -> str:
         note = jobs.check_ranks(args.spec.ranks, args.oversubscribe)
         check_writable(args.out, "file")
         check_writable(args.plot, "file")
-    except (jobs.BenchError, NotWritable) as exc:
-        args.error(f"{exc}\nNothing was started.")
-    if note:
-        print(note)
-    return jobs.launch_and_report(
-        "pcourse.tools.bench.commbench", argv, max(args.spec.ranks), timeout=args.timeout,
+        return note
+
+    return jobs.run_command(
+        "pcourse.tools.bench.commbench", argv, measure, args.spec,
+        lambda outcome: report(add_rates(outcome.rows), args.out, args.plot),
+        ranks=max(args.spec.ranks), timeout=args.timeout, prepare=prepare, error=args.error,
         partial=args.out.with_suffix(".partial.csv"),
         write=lambda path, rows: write_csv(path, add_rates(rows), FIELDS),
-        report=lambda outcome: report(add_rates(outcome.rows), args.out, args.plot),
         what="communication benchmark")
 
 

@@ -402,36 +402,60 @@ def launch(module: str, argv: Sequence[str], ranks: int, *, timeout: float,
     return outcome
 
 
-def launch_and_report(module: str, argv: Sequence[str], ranks: int, *, timeout: float,
-                      partial: str | os.PathLike[str],
-                      write: Callable[[Path, list[dict]], object],
-                      report: Callable[[Outcome], object], what: str = "benchmark",
-                      env: dict[str, str] | None = None) -> int:
-    """Every benchmark's launcher: :func:`launch`, then ``report(outcome)``; an exit code.
+def run_command(module: str, argv: Sequence[str], measure: Callable, spec: Any,
+                report: Callable[[Outcome], object], *, ranks: int, timeout: float,
+                prepare: Callable[[], str], error: Callable[[str], object],
+                refused: tuple[type[Exception], ...] = (),
+                partial: str | os.PathLike[str] | None = None,
+                write: Callable[[Path, list[dict]], object] | None = None,
+                what: str = "benchmark", env: dict[str, str] | None = None) -> int:
+    """Every benchmark's ``main`` once its arguments are read: one tail, so that each
+    command line refuses, launches and reports alike; an exit code.
 
-    The rows measured so far are kept in ``partial`` as they come (``write(path, rows)``),
-    so a failure, even a SIGKILL of this launcher, loses none: a failure says where
-    they are, and returns 1. After the report the whole run is in its own files, and
+    On a rank (of our job, or of the user's own mpiexec): :func:`rank_main`, which does
+    not return. In the launcher: ``prepare()`` refuses what cannot run before anything
+    starts, raising :class:`BenchError`, NotWritable or one of ``refused`` (``error``,
+    argparse's, says it and exits), and returns the note :func:`check_ranks` made; then
+    :func:`launch` on ``ranks`` ranks and ``report`` of its outcome. With ``partial`` and
+    ``write``, the rows measured so far are kept in ``partial`` as they come
+    (``write(path, rows)``), so a failure, even a SIGKILL of this launcher, loses none: a
+    failure says where they are. After the report the whole run is in its own files, and
     ``partial`` goes (an earlier run's goes at the start: it is not this run's).
     """
-    partial = Path(partial)
-    partial.unlink(missing_ok=True)
+    from pcourse.runtime.ranks import launcher
+    from pcourse.utils.io import NotWritable
 
-    def keep(rows: list[dict]) -> Path:
-        return save(partial, lambda path: write(path, rows))
+    if launcher() == "mpi":
+        rank_main(measure, spec, report)
+    refusals: tuple[type[Exception], ...] = (BenchError, NotWritable, *refused)
+    try:
+        note = prepare()
+    except refusals as exc:
+        error(f"{exc}\nNothing was started.")
+        raise  # error exits; for one that returns
+    if note:
+        print(note)
+    keep = None
+    if partial is not None and write is not None:
+        kept, writer = Path(partial), write
+        kept.unlink(missing_ok=True)
+
+        def keep(rows: list[dict]) -> Path:
+            return save(kept, lambda path: writer(path, rows))
 
     try:
         outcome = launch(module, argv, ranks, timeout=timeout, env=env, partial=keep)
     except BenchError as exc:
-        print(f"error: the {what} job failed: {exc}", file=sys.stderr)
-        if exc.rows:
-            print(f"the {len(exc.rows)} row(s) measured before the failure are in "
-                  f"{keep(exc.rows)}", file=sys.stderr)
+        if keep is None:
+            print(f"error: the {what} failed: {exc}", file=sys.stderr)
         else:
-            print("No results written.", file=sys.stderr)
+            print(f"error: the {what} job failed: {exc}", file=sys.stderr)
+            print(f"the {len(exc.rows)} row(s) measured before the failure are in "
+                  f"{keep(exc.rows)}" if exc.rows else "No results written.", file=sys.stderr)
         return 1
     report(outcome)
-    partial.unlink(missing_ok=True)
+    if keep is not None:
+        kept.unlink(missing_ok=True)
     return 0
 
 

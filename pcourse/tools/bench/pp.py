@@ -397,26 +397,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pcourse.runtime.ranks import launcher
-
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     base = Spec.quick() if args.quick else Spec()
     spec = dataclasses.replace(base, **{k: (tuple(v) if isinstance(v, list) else v)
                                         for k in ("ranks", "ms", "repeats")
                                         if (v := getattr(args, k)) is not None})
-    if launcher() == "mpi":
-        jobs.rank_main(measure, spec, report)
-    try:
-        note = jobs.check_ranks([spec.ranks], args.oversubscribe)
-    except jobs.BenchError as exc:
-        parser().error(f"{exc}\nNothing was started.")
-    if note:
-        print(note)
-    outcome = jobs.launch("pcourse.tools.bench.pp", argv, spec.ranks, timeout=args.timeout,
-                          env={"OMP_NUM_THREADS": "1"})
-    report(outcome)
-    return 0
+    return jobs.run_command(
+        "pcourse.tools.bench.pp", argv, measure, spec, report, ranks=spec.ranks,
+        timeout=args.timeout, prepare=lambda: jobs.check_ranks([spec.ranks], args.oversubscribe),
+        error=parser().error, what="pipeline benchmark", env={"OMP_NUM_THREADS": "1"})
 
 
 if __name__ == "__main__":

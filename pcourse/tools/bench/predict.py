@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pcourse.runtime.ranks import launcher
 from pcourse.tools.bench import jobs
 from pcourse.tools.bench.strategies import STRATEGIES
 
@@ -480,7 +479,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from pcourse.cost_model.machine import CostModelError, NotCalibrated, load
-    from pcourse.utils.io import NotWritable, check_writable
+    from pcourse.utils.io import check_writable
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
@@ -488,29 +487,26 @@ def main(argv: list[str] | None = None) -> int:
     spec = dataclasses.replace(base, ranks=tuple(sorted(set(args.ranks))),
                                strategies=tuple(args.strategies), micro=args.micro,
                                repeats=args.repeats or base.repeats)
-    if launcher() == "mpi":
-        jobs.rank_main(measure, spec)
-    try:
+    predicted = []  # the launcher's predictions: a rank of the user's own mpiexec has none
+
+    def prepare() -> str:
         spec.check()
-        machine = load(args.calibration)
-        predicted = predict(spec, machine)
+        predicted.extend(predict(spec, load(args.calibration)))
         note = jobs.check_ranks(spec.ranks, args.oversubscribe)
         check_writable(args.out, "file")
-    except (CostModelError, NotCalibrated, jobs.BenchError, NotWritable) as exc:
-        parser().error(f"{exc}\nNothing was started.")
-    print("predicted, before anything runs:")
-    print_predictions(predicted)
-    if note:
-        print(note)
-    try:
-        outcome = jobs.launch("pcourse.tools.bench.predict", argv, max(spec.ranks),
-                              timeout=args.timeout, env={"OMP_NUM_THREADS": "1"})
-    except jobs.BenchError as exc:
-        print(f"error: the runs failed: {exc}", file=sys.stderr)
-        return 1
-    print("\npredicted beside measured:")
-    report(predicted, outcome.rows, args.out)
-    return 0
+        print("predicted, before anything runs:")
+        print_predictions(predicted)
+        return note
+
+    def reported(outcome: jobs.Outcome) -> None:
+        if predicted:
+            print("\npredicted beside measured:")
+            report(predicted, outcome.rows, args.out)
+
+    return jobs.run_command(
+        "pcourse.tools.bench.predict", argv, measure, spec, reported, ranks=max(spec.ranks),
+        timeout=args.timeout, prepare=prepare, error=parser().error,
+        refused=(CostModelError, NotCalibrated), what="runs", env={"OMP_NUM_THREADS": "1"})
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 import statistics
 import sys
 import tempfile
@@ -41,11 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from pcourse.backends import BACKENDS
-from pcourse.runtime.ranks import launcher
 from pcourse.tools.bench import jobs
 from pcourse.tools.bench.flops import print_limits
 from pcourse.tools.bench.jobs import BenchError, Outcome
-from pcourse.utils.io import NotWritable, check_writable, save, write_csv
+from pcourse.utils.io import check_writable, save, write_csv
 from pcourse.workloads.config import (
     CONFIGS,
     FrankeConfig,
@@ -465,32 +465,33 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     spec = spec_from(args)
-    if launcher() == "mpi":  # a rank of our job, or of the user's own mpiexec
-        jobs.rank_main(measure, spec, lambda outcome: report(args, spec, outcome))
-    try:
+    inner, made, before = list(argv), [], {}  # the ranks' arguments, a folder, the launcher's time
+
+    def prepare() -> str:
+        nonlocal spec
         note = jobs.check_ranks(args.ranks, args.oversubscribe)
         _check(spec)
         check_writable(args.out)
-    except (BenchError, NotWritable) as exc:
-        p.error(f"{exc}\nNothing was started.")
-    if note:
-        print(note)
-    with tempfile.TemporaryDirectory(prefix="pcourse-bench-") as tmp:
-        inner_argv = list(argv)
         if args.workload == "mnist":  # the last run's weights, for the pictures
-            inner_argv += ["--save-model", str(Path(tmp) / "model.pt")]
-            spec = dataclasses.replace(spec, save_model=inner_argv[-1])
-        before = time.perf_counter() - entered
+            made.append(tempfile.mkdtemp(prefix="pcourse-bench-"))
+            inner.extend(["--save-model", str(Path(made[0]) / "model.pt")])
+            spec = dataclasses.replace(spec, save_model=inner[-1])
+        before["launcher: before the job"] = time.perf_counter() - entered
+        return note
 
-        def reported(outcome: Outcome) -> None:
-            outcome.phases["launcher: before the job"] = before
-            report(args, spec, outcome)
+    def reported(outcome: Outcome) -> None:
+        outcome.phases.update(before)  # the launcher's; a rank reports without it
+        report(args, spec, outcome)
 
-        return jobs.launch_and_report(
-            "pcourse.tools.bench.scaling", inner_argv, max(args.ranks),
-            timeout=args.timeout * len(spec.plan()) + 120,
+    try:
+        return jobs.run_command(
+            "pcourse.tools.bench.scaling", inner, measure, spec, reported, ranks=max(args.ranks),
+            timeout=args.timeout * len(spec.plan()) + 120, prepare=prepare, error=p.error,
             partial=Path(args.out) / f"{args.workload}_{spec.config.scaling}.partial.csv",
-            write=lambda path, rows: write_csv(path, rows, FIELDS), report=reported)
+            write=lambda path, rows: write_csv(path, rows, FIELDS))
+    finally:
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def report(args: argparse.Namespace, spec: ScalingSpec, outcome: Outcome) -> None:

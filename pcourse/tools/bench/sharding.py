@@ -39,10 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pcourse.runtime.ranks import launcher
 from pcourse.tools.bench import jobs
 from pcourse.tools.bench.sharded import build, model_and_loss
-from pcourse.utils.io import NotWritable, check_writable, save, write_csv
+from pcourse.utils.io import check_writable, save, write_csv
 
 STRATEGIES = ("ddp", "zero1", "zero1-overlap", "zero2", "zero2-overlap", "torch-zero", "fsdp",
               "fsdp-prefetch", "torch-fsdp2")
@@ -346,22 +345,18 @@ def main(argv: list[str] | None = None) -> int:
     spec = dataclasses.replace(base, **{k: (tuple(v) if isinstance(v, list) else v)
                                         for k in ("ranks", "workloads", "steps", "rounds")
                                         if (v := getattr(args, k)) is not None})
-    if launcher() == "mpi":
-        jobs.rank_main(measure, spec, lambda outcome: report(outcome.rows, args.out,
-                                                              args.targets))
-    try:
+
+    def prepare() -> str:
         note = jobs.check_ranks(spec.ranks, args.oversubscribe)
         check_writable(args.out, "file")
-    except (jobs.BenchError, NotWritable) as exc:
-        parser().error(f"{exc}\nNothing was started.")
-    if note:
-        print(note)
-    return jobs.launch_and_report(
-        "pcourse.tools.bench.sharding", argv, max(spec.ranks), timeout=args.timeout,
+        return note
+
+    return jobs.run_command(
+        "pcourse.tools.bench.sharding", argv, measure, spec,
+        lambda outcome: report(outcome.rows, args.out, args.targets), ranks=max(spec.ranks),
+        timeout=args.timeout, prepare=prepare, error=parser().error,
         partial=Path(args.out).with_suffix(".partial.csv"),
-        write=lambda path, rows: write_csv(path, rows, FIELDS),
-        report=lambda outcome: report(outcome.rows, args.out, args.targets),
-        what="sharding benchmark",
+        write=lambda path, rows: write_csv(path, rows, FIELDS), what="sharding benchmark",
         env={"OMP_NUM_THREADS": "1"})
 
 

@@ -55,9 +55,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from pcourse.runtime.ranks import launcher
 from pcourse.tools.bench import jobs
-from pcourse.utils.io import NotWritable, check_writable, save, write_csv
+from pcourse.utils.io import check_writable, save, write_csv
 from pcourse.workloads.config import FrankeConfig, MNISTConfig, WorkloadConfig, batch_sizes
 
 FIELDS = ["workload", "ranks", "path", "backend", "bucket_cap", "buckets", "local_batch",
@@ -546,25 +545,21 @@ def main(argv: list[str] | None = None) -> int:
         spec.check()
     except jobs.BenchError as exc:
         p.error(str(exc))
-    if launcher() == "mpi":  # a rank of our job, or of the user's own mpiexec
-        jobs.rank_main(measure, spec, lambda outcome: report(outcome.rows, args.out,
-                                                              args.targets))
-    try:
+    inner = list(argv)  # the ranks' arguments: prepare() adds the workloads that can run
+
+    def prepare() -> str:
         note = jobs.check_ranks(spec.ranks, args.oversubscribe)
         check_writable(args.out, "file")
-        spec = _without_missing_mnist(spec)
-    except (jobs.BenchError, NotWritable) as exc:
-        p.error(f"{exc}\nNothing was started.")
-    if note:
-        print(note)
-    inner = [*argv, "--workloads", *spec.workloads]
-    return jobs.launch_and_report(
-        "pcourse.tools.bench.steps", inner, max(spec.ranks), timeout=args.timeout,
+        inner.extend(["--workloads", *_without_missing_mnist(spec).workloads])
+        return note
+
+    return jobs.run_command(
+        "pcourse.tools.bench.steps", inner, measure, spec,
+        lambda outcome: report(outcome.rows, args.out, args.targets), ranks=max(spec.ranks),
+        timeout=args.timeout, prepare=prepare, error=p.error,
         partial=args.out.removesuffix(".csv") + ".partial.csv",
         write=lambda path, rows: write_csv(path, with_ratios(rows), FIELDS),
-        report=lambda outcome: report(outcome.rows, args.out, args.targets),
-        what="step benchmark",
-        env={"OMP_NUM_THREADS": "1"})
+        what="step benchmark", env={"OMP_NUM_THREADS": "1"})
 
 
 if __name__ == "__main__":

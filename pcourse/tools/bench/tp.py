@@ -38,9 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pcourse.runtime.ranks import launcher
 from pcourse.tools.bench import jobs
-from pcourse.utils.io import NotWritable, check_writable, save, write_csv
+from pcourse.utils.io import check_writable, save, write_csv
 
 BACKENDS = ("gloo", "mpi")
 MODES = ("tp", "sp", "dp")  # tensor-parallel, sequence-parallel, data-parallel
@@ -384,21 +383,19 @@ def main(argv: list[str] | None = None) -> int:
     spec = dataclasses.replace(base, **{k: (tuple(sorted(set(v))) if isinstance(v, list) else v)
                                         for k in ("ranks", "backends", "repeats")
                                         if (v := getattr(args, k)) is not None})
-    if launcher() == "mpi":
-        jobs.rank_main(measure, spec, lambda outcome: report(outcome.rows, args.out))
-    try:
+
+    def prepare() -> str:
         check_sizes(spec)
         note = jobs.check_ranks(spec.ranks, args.oversubscribe)
         check_writable(args.out, "file")
-    except (jobs.BenchError, NotWritable) as exc:
-        parser().error(f"{exc}\nNothing was started.")
-    if note:
-        print(note)
-    return jobs.launch_and_report(
-        "pcourse.tools.bench.tp", argv, max(spec.ranks), timeout=args.timeout,
+        return note
+
+    return jobs.run_command(
+        "pcourse.tools.bench.tp", argv, measure, spec,
+        lambda outcome: report(outcome.rows, args.out), ranks=max(spec.ranks),
+        timeout=args.timeout, prepare=prepare, error=parser().error,
         partial=Path(args.out).with_suffix(".partial.csv"),
-        write=lambda path, rows: write_csv(path, rows, FIELDS),
-        report=lambda outcome: report(outcome.rows, args.out), what="tensor-parallel benchmark",
+        write=lambda path, rows: write_csv(path, rows, FIELDS), what="tensor-parallel benchmark",
         env={"OMP_NUM_THREADS": "1"})
 
 

@@ -1,8 +1,9 @@
 """Cluster plumbing: engines for notebooks, ``mpiexec`` jobs for tools.
 
 ``engines`` starts an MPI cluster of ipyparallel engines from a notebook (``slurm``:
-as one Slurm job);
-``launch`` runs a command under ``mpiexec`` with a deadline; ``rank_exit`` has each
+as one Slurm job); ``view`` is the notebook's view of them, which passes an interrupt on
+to the engines; ``failures`` is its error and what the launchers' logs say when a start
+fails. ``launch`` runs a command under ``mpiexec`` with a deadline; ``rank_exit`` has each
 rank report its own exit, so a job ends at once; ``netns`` stands up two "nodes" on
 one machine (lesson 09). ``reaping`` ends what a run
 left; ``interrupts`` is the engines' watcher. Rank and device are the runtime layer's

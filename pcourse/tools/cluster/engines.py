@@ -8,7 +8,7 @@ and they talk to each other through MPI, Gloo or NCCL. Where they run:
   at most :func:`~pcourse.tools.cluster.launch.max_engines` unless ``oversubscribe=True``;
 - on the nodes of a hostfile: ``start_cluster(n, hostfile="hosts")`` (lesson 09);
 - as one Slurm job: ``start_cluster(n, slurm=Slurm(...))``, or unchanged lessons
-  with ``$PCOURSE_SLURM`` set (see :class:`Slurm` and INSTRUCTORS.md).
+  with ``$PCOURSE_SLURM`` set (:class:`~pcourse.tools.cluster.slurm.Slurm`, INSTRUCTORS.md).
 
 What this module adds to ipyparallel is what a course needs and ipyparallel leaves
 to the user: output that nbval can compare (progress that leaves nothing behind);
@@ -16,34 +16,32 @@ a clear error with the engines' log when they fail to start, instead of a hang; 
 cluster per kernel (a re-run start cell replaces it); nothing left behind however
 the kernel ends (every process carries a mark, a watcher process,
 :mod:`pcourse.tools.cluster.reaping`, ends them if the owner dies); interrupts that land
-(:mod:`pcourse.runtime.waits`); engines that know their rank, world size,
-local rank and device.
+(:mod:`pcourse.runtime.waits`; the view that passes them on to the engines is
+:mod:`pcourse.tools.cluster.view`); engines that know their rank, world size, local rank
+and device. The errors and what the launchers' logs say are
+:mod:`pcourse.tools.cluster.failures`; the Slurm job, :mod:`pcourse.tools.cluster.slurm`.
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import ipyparallel as ipp
 
 from pcourse.runtime import private
 from pcourse.runtime.ranks import RankInfo, gpu_count
 from pcourse.tools.cluster import slurm as slurm_jobs
-from pcourse.tools.cluster.interrupts import INTERRUPT_GRACE
+from pcourse.tools.cluster.failures import ClusterError, exited, how_it_ended, log_tail, log_text
 from pcourse.tools.cluster.launch import (
     Launcher,
     MPINotFound,
@@ -58,11 +56,15 @@ from pcourse.tools.cluster.reaping import (
     owner_alive,
     sweep_mpi_segments,
 )
-from pcourse.utils.progress import Bar, latest
+from pcourse.tools.cluster.slurm import SLURM_ENV, SLURM_START_TIMEOUT, Slurm
+from pcourse.tools.cluster.view import InterruptibleView
+from pcourse.utils.progress import Bar
+
+# What lessons, tools and tests import from here; each is defined where its role is.
+__all__ = ["SLURM_ENV", "ClusterError", "MPICluster", "Slurm", "default_engines",
+           "start_cluster", "stop_cluster", "sweep_stale_clusters"]
 
 START_TIMEOUT = 90.0  # seconds for all engines to register and initialise
-SLURM_START_TIMEOUT = 600.0  # the same under Slurm, where the job may wait in the queue first
-SLURM_ENV = "PCOURSE_SLURM"  # e.g. "partition=ws time=02:00:00": lessons start Slurm jobs
 _FOLDER = re.compile(r"^pcourse-cluster-(\d+)-")  # pcourse-cluster-<owner pid>-<random>
 
 # Run on every engine once it is up: makes interrupts final, and puts rank, size,
@@ -75,57 +77,6 @@ _pcourse_me = _pcourse_init_rank()
 rank, size, local_rank, device = (
     _pcourse_me.rank, _pcourse_me.size, _pcourse_me.local_rank, _pcourse_me.device)
 """
-
-
-class ClusterError(RuntimeError):
-    """The engine cluster could not be started; the message says why and what to do."""
-
-
-@dataclass(frozen=True)
-class Slurm:
-    """Engines as one Slurm job: ``sbatch`` submits it, ``srun`` starts them as one MPI job.
-
-    ``time``, ``partition`` and ``account`` are sbatch's options of those names (empty:
-    the site's default); ``gpus_per_task`` and ``gres`` ask for GPUs (0 / empty: none;
-    see :mod:`pcourse.multinode`). ``folder`` holds the cluster's files (the job script, the
-    engines' log); the compute nodes write there, so it must be on a file system they
-    share with this machine: the home folder by default, never /tmp. The engines run
-    this same Python (``sys.executable``), so the course's folder must be shared too.
-    """
-
-    time: str = "01:00:00"
-    partition: str = ""
-    account: str = ""
-    folder: str = "~/.cache/pcourse/clusters"
-    gpus_per_task: int = 0
-    gres: str = ""
-
-    @classmethod
-    def from_env(cls) -> Slurm | None:
-        """The job ``$PCOURSE_SLURM`` describes (``"partition=ws time=02:00:00"``); None if unset.
-
-        What lets an instructor run the lessons, unchanged, on a Slurm cluster.
-        """
-        text = os.environ.get(SLURM_ENV, "").strip()
-        if not text:
-            return None
-        names = [f.name for f in dataclasses.fields(cls)]
-        given = {}
-        for item in text.split():
-            key, eq, value = item.partition("=")
-            if not eq or key not in names:
-                raise ClusterError(
-                    f"${SLURM_ENV} has {item!r}; it takes space-separated "
-                    f"{', '.join(f'{k}=...' for k in names)} (for example "
-                    f"{SLURM_ENV}='partition=ws time=02:00:00').")
-            given[key] = value
-        if "gpus_per_task" in given:
-            text = given["gpus_per_task"]
-            if not text.isdigit():
-                raise ClusterError(f"${SLURM_ENV} has gpus_per_task={text}; it must be a "
-                                   "whole number of GPUs per engine (gpus_per_task=1)")
-            given["gpus_per_task"] = int(text)
-        return cls(**given)
 
 
 @dataclass
@@ -160,82 +111,19 @@ class MPICluster:
     def problem(self) -> str:
         """One line on why this cluster cannot run code any more; empty while it can."""
         controller = self.cluster.controller
-        if controller is None or _exited(controller):
+        if controller is None or exited(controller):
             what = "controller"
-        elif any(_exited(x) for x in self.cluster.engines.values()):
+        elif any(exited(x) for x in self.cluster.engines.values()):
             what = "engines"
         else:
-            job = _ended_job(self.cluster)
+            job = slurm_jobs.ended_job(self.cluster)
             return (f"The cluster's Slurm job has ended ({job}): its engines are gone. "
                     f"Restart it: run start_cluster({self.n}) again.") if job else ""
-        log = "".join(_log_text(x) for x in self.cluster.engines.values())
+        log = "".join(log_text(x) for x in self.cluster.engines.values())
         stuck = re.search(r"rank \d+ did not stop within [\d.]+ s of the interrupt", log)
         why = f" ({stuck.group(0)})" if stuck else ""
         return (f"The cluster's {what} stopped{why}. Restart it: run "
                 f"start_cluster({self.n}) again.")
-
-
-class _InterruptibleView(ipp.DirectView):
-    """A DirectView whose blocking calls pass an interrupt on to the engines.
-
-    ipyparallel's own blocking calls swallow KeyboardInterrupt and leave the engines
-    running; the cell then returns an AsyncResult and the next cell queues behind the
-    old work. Here the engines get SIGINT too (as ``%%px`` does), get time to stop,
-    and the interrupt is raised in the notebook. A cluster that has died says so,
-    in one line, instead of ipyparallel's errors about missing engines.
-    """
-
-    problem: Callable[[], str] = staticmethod(lambda: "")  # MPICluster.problem, once it exists
-
-    # ipyparallel's private entry of every apply (pcourse.runtime.private.VIEW_APPLY)
-    def _really_apply(self, f: Any, args: Any = None, kwargs: Any = None,  # type: ignore[override]
-                      targets: Any = None, block: bool | None = None, **options: Any) -> Any:
-        self._refuse_if_dead()
-        block = self.block if block is None else block
-        ar = super()._really_apply(f, args, kwargs, targets=targets, block=False, **options)
-        return _finish(ar, self.client) if block else ar
-
-    def execute(self, code: str, silent: bool = True, targets: Any = None,  # type: ignore[override]
-                block: bool | None = None, label: str | None = None) -> Any:
-        self._refuse_if_dead()
-        block = self.block if block is None else block
-        ar = super().execute(code, silent=silent, targets=targets, block=False, label=label)
-        if block:
-            _finish(ar, self.client)
-            ar.wait_for_output()
-        return ar
-
-    def _refuse_if_dead(self) -> None:
-        problem = self.problem()
-        if problem:
-            raise ClusterError(problem)
-
-
-def _finish(ar: Any, client: ipp.Client) -> Any:
-    try:
-        _show_progress(ar)
-        return ar.get()
-    except KeyboardInterrupt:
-        try:
-            client.send_signal("SIGINT", targets=private.targets_of(ar), block=False)
-            ar.wait(INTERRUPT_GRACE + 2)  # they stop, or the rank that cannot ends the job
-        except Exception:  # noqa: BLE001 - the interrupt is what the user must see
-            pass
-        raise
-
-
-def _show_progress(ar: Any) -> None:
-    """Wait for ``ar``, showing what rank 0 publishes (``train``'s epochs) as a bar."""
-    bar = None
-    try:
-        while not ar.wait(0.2):
-            state = latest(ar.data)
-            if state is not None:
-                bar = bar or Bar(state[1], desc="rank 0", unit="step")
-                bar.update(state[0], state[1], state[2])
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 _current: MPICluster | None = None
@@ -261,53 +149,6 @@ def _check_n(n: int, here: bool = True, oversubscribe: bool = False) -> int:
             "(hostfile=, slurm=; see notebook 09)."
         )
     return n
-
-
-def _exited(launcher: object) -> bool:
-    """Has a launcher's process (mpiexec or ipcontroller) already exited?"""
-    process = getattr(launcher, "process", None)
-    if process is None:
-        return getattr(launcher, "state", "running") == "after"
-    try:
-        return not process.is_running() or process.status() == "zombie"
-    except Exception:  # noqa: BLE001 - psutil.NoSuchProcess and friends: it is gone
-        return True
-
-
-def _how_it_ended(launcher: object, within: float = 5.0) -> str:
-    """How a launcher's process ended, in words: its exit status, or the signal that killed it
-    (a process killed from outside leaves an empty log; only this tells it apart).
-
-    psutil keeps the status of a child it reaped, whichever thread waited (ipyparallel's
-    own waits on it too); a zombie is reaped here, within ``within`` s.
-    """
-    import psutil
-
-    try:
-        code = launcher.process.wait(timeout=within)  # type: ignore[attr-defined]
-    except (AttributeError, psutil.Error):
-        code = None
-    if not isinstance(code, int):
-        return "its exit status is unknown"
-    if code >= 0:
-        return f"exit status {code}"
-    try:
-        return f"killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
-
-
-def _log_text(launcher: object) -> str:
-    """A launcher's output so far (read afresh: ipyparallel caches its first read)."""
-    try:
-        return Path(launcher.output_file).read_text(errors="replace")  # type: ignore[attr-defined]
-    except (AttributeError, OSError):
-        return ""
-
-
-def _log_tail(launcher: object, lines: int = 20) -> str:
-    tail = _log_text(launcher).strip().splitlines()[-lines:]
-    return "\n".join(tail) if tail else "(no output)"
 
 
 def start_cluster(
@@ -445,7 +286,7 @@ def _start_reaper(folder: Path) -> subprocess.Popen:
 
 def _initialise(client: ipp.Client, timeout: float) -> tuple[list[RankInfo], ipp.DirectView]:
     """Engines in rank order, and a view of all of them, ready for the notebook."""
-    view = _InterruptibleView(client=client, socket=private.mux_stream(client),
+    view = InterruptibleView(client=client, socket=private.mux_stream(client),
                               targets=sorted(client.ids))
     # cloudpickle ships a notebook-defined function together with the globals it
     # uses (helpers, constants, imports), so learners need no push/import dance.
@@ -478,23 +319,23 @@ def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout:
         progress.update(len(client.ids))
         if time.monotonic() - asked > 1.0:
             asked = time.monotonic()
-            _check_job(cluster, len(client.ids), n)
+            slurm_jobs.check_job(cluster, len(client.ids), n)
         for launcher in list(cluster.engines.values()):
-            if _exited(launcher):
+            if exited(launcher):
                 raise ClusterError(
                     f"the engines exited during start ({len(client.ids)} of {n} had "
-                    f"registered; {_how_it_ended(launcher)}). Last lines of their log:\n"
-                    f"{_log_tail(launcher)}\n"
+                    f"registered; {how_it_ended(launcher)}). Last lines of their log:\n"
+                    f"{log_tail(launcher)}\n"
                     "Check that `mpiexec -n 2 python -c 'import mpi4py.MPI'` works in "
                     "this environment."
                 )
-        if cluster.controller is None or _exited(cluster.controller):
-            how, tail = ((_how_it_ended(cluster.controller), _log_tail(cluster.controller))
+        if cluster.controller is None or exited(cluster.controller):
+            how, tail = ((how_it_ended(cluster.controller), log_tail(cluster.controller))
                          if cluster.controller else ("never started", "(none)"))
             raise ClusterError(f"the ipcontroller exited during start ({how}). Its log:\n{tail}")
         if time.monotonic() > deadline:
-            _check_job(cluster, len(client.ids), n, timeout)
-            tails = "\n".join(_log_tail(lau) for lau in cluster.engines.values())
+            slurm_jobs.check_job(cluster, len(client.ids), n, timeout)
+            tails = "\n".join(log_tail(lau) for lau in cluster.engines.values())
             raise ClusterError(
                 f"only {len(client.ids)} of {n} engines registered within {timeout:.0f} s. "
                 f"Last lines of their log:\n{tails}\nThe machine may be overloaded: try "
@@ -502,43 +343,6 @@ def _wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, n: int, timeout:
             )
         time.sleep(0.1)
     progress.update(n)
-
-
-def _slurm_jobs(cluster: ipp.Cluster) -> list[slurm_jobs.JobState]:
-    """What Slurm says of the cluster's engine jobs (none: not a Slurm cluster)."""
-    found = []
-    for launcher in list(cluster.engines.values()):
-        if isinstance(launcher, slurm_jobs.SlurmJobLauncher):
-            try:
-                state = launcher.job()
-            except slurm_jobs.SlurmError as exc:  # Slurm itself unreachable: say so
-                state = slurm_jobs.JobState(launcher.job_id, "UNKNOWN", str(exc))
-            if state is not None:
-                found.append(state)
-    return found
-
-
-def _ended_job(cluster: ipp.Cluster) -> slurm_jobs.JobState | None:
-    return next((job for job in _slurm_jobs(cluster) if job.ended), None)
-
-
-def _check_job(cluster: ipp.Cluster, registered: int, n: int,
-               timeout: float | None = None) -> None:
-    """ClusterError, in Slurm's words, if the engines' job has ended; with ``timeout``
-    (the start's deadline has passed) also if it is still waiting in the queue."""
-    for job in _slurm_jobs(cluster):
-        log = "".join(_log_tail(lau) for lau in cluster.engines.values())
-        if job.ended:
-            raise ClusterError(
-                f"Slurm ended the engines' job before they registered ({registered} of {n} "
-                f"had): {job}. Last lines of its log:\n{log}\n`scontrol show job "
-                f"{job.job_id}` has the details.")
-        if timeout is not None and job.pending:
-            raise ClusterError(
-                f"the engines' job waited in Slurm's queue for all of the {timeout:.0f} s "
-                f"start timeout and was cancelled: {job}. `sinfo` shows the partitions and "
-                "their nodes; ask for one with free nodes, fewer engines, or give "
-                "start_cluster a longer timeout=.")
 
 
 def _watch_cells() -> None:

@@ -342,7 +342,8 @@ def pingpong(rank: int, sizes: list[int], repeats: int) -> list[list[float]]:
 
 def node_aware(rank: int, size: int) -> dict:
     """One of four ranks (two per node): the bytes this node's veth sent during a flat
-    allreduce and during a node-aware one, and whether both sums came out right.
+    allreduce and during a node-aware one (:func:`pcourse.multinode.node_aware_allreduce`),
+    and whether both sums came out right.
 
     Each count runs from before a barrier to after one, so no rank's traffic of the
     allreduce falls outside it; the two barriers' few bytes are in both counts alike.
@@ -352,9 +353,9 @@ def node_aware(rank: int, size: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    node, first = rank // 2, rank - rank % 2
-    inside = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
-    leaders = dist.new_group([0, 2])
+    from pcourse.multinode import node_aware_allreduce, node_groups
+
+    groups = node_groups(per_node=2)
     counter = Path(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes")
     sent, correct = {}, True
     for how in ("flat", "node_aware"):
@@ -364,10 +365,7 @@ def node_aware(rank: int, size: int) -> dict:
         if how == "flat":
             dist.all_reduce(t)
         else:
-            dist.reduce(t, dst=first, group=inside[node])
-            if rank == first:
-                dist.all_reduce(t, group=leaders)
-            dist.broadcast(t, src=first, group=inside[node])
+            node_aware_allreduce(t, *groups)
         dist.barrier()
         sent[how] = int(counter.read_text()) - before
         correct = correct and bool((t == 1 + 2 + 3 + 4).all())  # exact: small integers

@@ -6,22 +6,31 @@ Slurm refused and a job that Slurm ended all look like engines that never came.
 :class:`SlurmJobLauncher` is that launcher with eyes: ``sbatch``'s own error becomes
 the error, :meth:`SlurmJobLauncher.job` reads the job's state and Slurm's reason for
 it (``scontrol show job``), and stopping waits until the job has left the queue.
-:mod:`pcourse.tools.cluster.engines` uses it for ``start_cluster(n, slurm=...)``.
+:class:`Slurm` is the job ``start_cluster(n, slurm=...)`` asks for (or ``$PCOURSE_SLURM``
+describes); :func:`check_job` and :func:`ended_job` are what
+:mod:`pcourse.tools.cluster.engines` asks of it while the engines start and run.
 
 INSTRUCTORS.md ("A shared cluster under Slurm") is the instructor's side of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import shutil
 import subprocess
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import ipyparallel as ipp
 from ipyparallel.cluster.launcher import LauncherError
 
 from pcourse.multinode import SlurmGPUEngineSetLauncher
+from pcourse.tools.cluster.failures import ClusterError, log_tail
+
+SLURM_ENV = "PCOURSE_SLURM"  # e.g. "partition=ws time=02:00:00": lessons start Slurm jobs
+SLURM_START_TIMEOUT = 600.0  # seconds for engines to start under Slurm: the job may queue first
 
 COMMAND_TIMEOUT = 60.0  # seconds any one Slurm command may take (a busy controller is slow)
 GONE_TIMEOUT = 30.0  # seconds stopping waits for a cancelled job to leave the queue
@@ -149,3 +158,88 @@ class SlurmJobLauncher(SlurmGPUEngineSetLauncher):
             raise LauncherError(f"Slurm job {self.job_id} was cancelled but is still in the "
                                 f"queue after {GONE_TIMEOUT:.0f} s (`squeue -j {self.job_id}`)")
         return output
+
+
+@dataclass(frozen=True)
+class Slurm:
+    """Engines as one Slurm job: ``sbatch`` submits it, ``srun`` starts them as one MPI job.
+
+    ``time``, ``partition`` and ``account`` are sbatch's options of those names (empty:
+    the site's default); ``gpus_per_task`` and ``gres`` ask for GPUs (0 / empty: none;
+    see :mod:`pcourse.multinode`). ``folder`` holds the cluster's files (the job script, the
+    engines' log); the compute nodes write there, so it must be on a file system they
+    share with this machine: the home folder by default, never /tmp. The engines run
+    this same Python (``sys.executable``), so the course's folder must be shared too.
+    """
+
+    time: str = "01:00:00"
+    partition: str = ""
+    account: str = ""
+    folder: str = "~/.cache/pcourse/clusters"
+    gpus_per_task: int = 0
+    gres: str = ""
+
+    @classmethod
+    def from_env(cls) -> Slurm | None:
+        """The job ``$PCOURSE_SLURM`` describes (``"partition=ws time=02:00:00"``); None if unset.
+
+        What lets an instructor run the lessons, unchanged, on a Slurm cluster.
+        """
+        text = os.environ.get(SLURM_ENV, "").strip()
+        if not text:
+            return None
+        names = [f.name for f in dataclasses.fields(cls)]
+        given: dict[str, Any] = {}
+        for item in text.split():
+            key, eq, value = item.partition("=")
+            if not eq or key not in names:
+                raise ClusterError(
+                    f"${SLURM_ENV} has {item!r}; it takes space-separated "
+                    f"{', '.join(f'{k}=...' for k in names)} (for example "
+                    f"{SLURM_ENV}='partition=ws time=02:00:00').")
+            given[key] = value
+        if "gpus_per_task" in given:
+            text = given["gpus_per_task"]
+            if not text.isdigit():
+                raise ClusterError(f"${SLURM_ENV} has gpus_per_task={text}; it must be a "
+                                   "whole number of GPUs per engine (gpus_per_task=1)")
+            given["gpus_per_task"] = int(text)
+        return cls(**given)
+
+
+def jobs_of(cluster: ipp.Cluster) -> list[JobState]:
+    """What Slurm says of the cluster's engine jobs (none: not a Slurm cluster)."""
+    found = []
+    for launcher in list(cluster.engines.values()):
+        if isinstance(launcher, SlurmJobLauncher):
+            try:
+                state = launcher.job()
+            except SlurmError as exc:  # Slurm itself unreachable: say so
+                state = JobState(launcher.job_id, "UNKNOWN", str(exc))
+            if state is not None:
+                found.append(state)
+    return found
+
+
+def ended_job(cluster: ipp.Cluster) -> JobState | None:
+    """The cluster's engine job that Slurm has ended, if any."""
+    return next((job for job in jobs_of(cluster) if job.ended), None)
+
+
+def check_job(cluster: ipp.Cluster, registered: int, n: int,
+              timeout: float | None = None) -> None:
+    """ClusterError, in Slurm's words, if the engines' job has ended; with ``timeout``
+    (the start's deadline has passed) also if it is still waiting in the queue."""
+    for job in jobs_of(cluster):
+        log = "".join(log_tail(lau) for lau in cluster.engines.values())
+        if job.ended:
+            raise ClusterError(
+                f"Slurm ended the engines' job before they registered ({registered} of {n} "
+                f"had): {job}. Last lines of its log:\n{log}\n`scontrol show job "
+                f"{job.job_id}` has the details.")
+        if timeout is not None and job.pending:
+            raise ClusterError(
+                f"the engines' job waited in Slurm's queue for all of the {timeout:.0f} s "
+                f"start timeout and was cancelled: {job}. `sinfo` shows the partitions and "
+                "their nodes; ask for one with free nodes, fewer engines, or give "
+                "start_cluster a longer timeout=.")

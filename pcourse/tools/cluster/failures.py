@@ -1,0 +1,66 @@
+"""How an engine cluster fails, in words: :class:`ClusterError`, and what its processes left.
+
+ipyparallel's launchers keep a process (``mpiexec``, ``ipcontroller``) and a log file;
+a start that fails or a cluster that dies is explained from them: :func:`exited` (is it
+gone?), :func:`how_it_ended` (its exit status, or the signal that killed it) and
+:func:`log_tail` (the last lines it wrote). :mod:`pcourse.tools.cluster.engines` raises
+the error; the interrupt view (:mod:`pcourse.tools.cluster.view`) and Slurm's side
+(:mod:`pcourse.tools.cluster.slurm`) raise it too.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+
+class ClusterError(RuntimeError):
+    """The engine cluster could not be started; the message says why and what to do."""
+
+
+def exited(launcher: object) -> bool:
+    """Has a launcher's process (mpiexec or ipcontroller) already exited?"""
+    process = getattr(launcher, "process", None)
+    if process is None:
+        return getattr(launcher, "state", "running") == "after"
+    try:
+        return not process.is_running() or process.status() == "zombie"
+    except Exception:  # noqa: BLE001 - psutil.NoSuchProcess and friends: it is gone
+        return True
+
+
+def how_it_ended(launcher: object, within: float = 5.0) -> str:
+    """How a launcher's process ended, in words: its exit status, or the signal that killed it
+    (a process killed from outside leaves an empty log; only this tells it apart).
+
+    psutil keeps the status of a child it reaped, whichever thread waited (ipyparallel's
+    own waits on it too); a zombie is reaped here, within ``within`` s.
+    """
+    import psutil
+
+    try:
+        code = launcher.process.wait(timeout=within)  # type: ignore[attr-defined]
+    except (AttributeError, psutil.Error):
+        code = None
+    if not isinstance(code, int):
+        return "its exit status is unknown"
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+def log_text(launcher: object) -> str:
+    """A launcher's output so far (read afresh: ipyparallel caches its first read)."""
+    try:
+        return Path(launcher.output_file).read_text(errors="replace")  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        return ""
+
+
+def log_tail(launcher: object, lines: int = 20) -> str:
+    """The last ``lines`` lines of a launcher's output, or "(no output)"."""
+    tail = log_text(launcher).strip().splitlines()[-lines:]
+    return "\n".join(tail) if tail else "(no output)"
