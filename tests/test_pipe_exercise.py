@@ -194,3 +194,21 @@ def test_inputs_and_targets_read_on_the_wrong_stage_say_where_they_are():
     assert not inputs and not targets
     with pytest.raises(LookupError, match="only stage 2 has the targets"):
         targets[0]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [2, 5, 6, 7, 8])
+def test_random_orders_are_valid_never_deadlock_and_leave_the_forwards_order(p, m):
+    orders = refs.random_orders(p, m, seed=m)
+    for order in orders:
+        assert sorted(order) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+        assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(m))
+    assert blocked(orders) == []
+    assert any(refs._out_of_turn(order) for order in orders)  # what 1F1B and GPipe never do
+    assert refs.random_orders(p, m, seed=m) == orders  # every rank draws the same
+
+
+def test_every_case_s_orders_never_deadlock():
+    for case in refs.stage_cases():
+        for p in (2, 3, 4):
+            assert blocked(case.orders(p)) == []
