@@ -76,7 +76,7 @@ def _drawn(first: Case, shapes: tuple[tuple[int, ...], ...]) -> list[Case]:
     """The text's case, then one per dtype of the contract, cycling its shapes and layouts,
     every other one with gradients already there."""
     return [first] + [Case(dtype, shapes[k % len(shapes)],
-                           CONTRACT.layouts[(k + 1) % len(CONTRACT.layouts)], k % 2 == 0)
+                           CONTRACT.layouts[k % len(CONTRACT.layouts)], k % 2 == 0)
                       for k, dtype in enumerate(CONTRACT.dtypes)]
 
 
@@ -95,9 +95,13 @@ ALL_CASES_AT = 2  # the tp whose checks run every case of the contract (on 4 ran
 #                   check takes grows by the contract's cases once, not at every size
 
 
-def cases_at(tp: int) -> list[int]:
-    """Which cases (indices into :func:`fg_cases` and :func:`mlp_cases`) run at ``tp``."""
-    return list(range(1, len(CONTRACT.dtypes) + 1)) if tp == ALL_CASES_AT else [0]
+def cases_at(tp: int, mlp: bool = False) -> list[int]:
+    """Which cases (indices into :func:`fg_cases`, or ``mlp``, :func:`mlp_cases`) run at
+    ``tp``. The MLP's float64 is the text's case, run at every other tp and in the mesh."""
+    if tp != ALL_CASES_AT:
+        return [0]
+    return [k for k in range(1, len(CONTRACT.dtypes) + 1)
+            if not (mlp and CONTRACT.dtypes[k - 1] == torch.float64)]
 
 
 def tp_ranks(tp: int, engines: int) -> int:
@@ -424,7 +428,8 @@ def tp_mlp_trial(column_block: Callable, row_block: Callable, column_linear: Cal
     input and of this rank's blocks, and whether the caller's input changed."""
     with _TPGroup(tp, strided) as group:
         return each_case(lambda k: _mlp_case(column_block, row_block, column_linear,
-                                             row_linear, group, mlp_cases()[k]), cases_at(tp))
+                                             row_linear, group, mlp_cases()[k]),
+                         cases_at(tp, mlp=True))
 
 
 def _mlp_case(column_block: Callable, row_block: Callable, column_linear: Callable,
@@ -666,7 +671,7 @@ def _per_case(mc: Any, tp: int, problem: Callable[[dict, dict, int], str | None]
     got = _mlp(mc, tp)
 
     def test(r: int, cases: list[dict]) -> str | None:
-        for at, (one, case) in enumerate(zip(cases, [mlp_cases()[k] for k in cases_at(tp)],
+        for at, (one, case) in enumerate(zip(cases, [mlp_cases()[k] for k in cases_at(tp, True)],
                                              strict=False)):
             if "error" in one:
                 raise ExerciseError(case_error(got, at, case.said(*MLP_SAID)))
