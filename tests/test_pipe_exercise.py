@@ -212,3 +212,49 @@ def test_every_case_s_orders_never_deadlock():
     for case in refs.stage_cases():
         for p in (2, 3, 4):
             assert blocked(case.orders(p)) == []
+
+
+def threaded_case(run_stage, p: int, case) -> list[dict]:
+    """Every stage's result in one of the loop's cases (its orders, dtype, shape, gradients
+    already there), as pipe_cases_trial sends it back; stages on threads."""
+    mailbox, out, errors = Mailbox(), [None] * p, []
+    stages = [refs.pipe_stage(p, r, case) for r in range(p)]
+    for r, stage in enumerate(stages):
+        for t, old in zip(stage.parameters(), refs.old_grads(case, p, r) if case.accumulate
+                          else [], strict=False):
+            t.grad = old
+    batch = refs.pipe_batch(case.m, case)
+    inputs, targets = (list(t.split(case.shape[0])) for t in batch)
+
+    def stage_main(rank: int) -> None:
+        try:
+            run_stage(stages[rank], case.orders(p)[rank], ThreadGroup(mailbox, rank, p),
+                      inputs, targets, case.m)
+            out[rank] = {"grads": [t.grad for t in stages[rank].parameters()], "changed": False}
+        except Exception as exc:  # noqa: BLE001 - reported below, for the test to fail
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stage_main, args=(r,)) for r in range(p)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 3])
+@pytest.mark.parametrize("k", range(len(refs.stage_cases())))
+def test_the_solution_passes_every_case_and_a_queue_of_forwards_does_not(p, k):
+    case = refs.stage_cases()[k]
+    want = refs.one_process_pipe(p, case.m, case)
+    for rank, got in enumerate(threaded_case(solution_loop(), p, case)):
+        assert refs.stage_case_problem(got, case, want, rank) is None
+    queue = solution_loop(("kept = {}", "kept = []"), ("kept[i] = (x, y)", "kept.append((x, y))"),
+                          ("x, y = kept.pop(i)", "x, y = kept.pop(0)"))
+    said = [refs.stage_case_problem(o, case, want, r)
+            for r, o in enumerate(threaded_case(queue, p, case))]
+    if case.order == "random":
+        assert any("pair each ('B', i)" in (s or "") for s in said), said
+    else:
+        assert said == [None] * p  # 1F1B and GPipe run the backwards in the forwards' order

@@ -87,11 +87,12 @@ class StageCase:
 def stage_cases() -> list[StageCase]:
     """The loop's cases, drawn from :data:`CONTRACT`: the text's (1F1B, float64, [2, 4]) at
     m = 1 and at m < p, GPipe's with more in flight than stages, random valid orders; each
-    dtype and shape, gradients already there in every other one."""
+    dtype and shape, gradients already there in most (not bfloat16's: its rounding of
+    them would hide a stage's own, smaller gradients)."""
     (a, b), dt = CONTRACT.shapes, CONTRACT.dtypes
     return [StageCase("1F1B", 1), StageCase("1F1B", 4, dt[1], a),
             StageCase("GPipe", 8, accumulate=True), StageCase("random", 5, dt[0], b, True),
-            StageCase("random", 6, dt[2], (2, 4), True), StageCase("random", 7, dt[1], a)]
+            StageCase("random", 6, dt[2]), StageCase("random", 7, dt[1], a, True)]
 
 
 @functools.lru_cache(maxsize=64)
@@ -516,7 +517,8 @@ def one_process_pipe(p: int, m: int, case: StageCase | None = None) -> dict:
     The loss is the mean over micro-batches of each one's weighted sum. Also returned:
     the gradients of micro-batch m - 1 alone (what a loop that does not accumulate
     keeps), those of the loss divided by p instead of m, the gradients already there
-    (``old``, zeros where none) and the tolerance of the case's dtype (``tol``).
+    (``old``, zeros where none) and each stage's tolerance, its dtype's relative to the
+    stage's own gradients (``tol``).
     """
     case = case or TEXT
     x, weights = (t.double() for t in pipe_batch(m, case))
@@ -530,9 +532,10 @@ def one_process_pipe(p: int, m: int, case: StageCase | None = None) -> dict:
     last = [[t.grad.clone() for t in s.parameters()] for s in stages]
     old = [[g.double() for g in old_grads(case, p, r)] if case.accumulate else
            [torch.zeros_like(g) for g in whole[r]] for r in range(p)]
-    scale = max(g.abs().max().item() for stage in whole for g in stage)
     rtol = {torch.float64: 1e-12, torch.float32: 1e-4, torch.bfloat16: 6e-2}[case.dtype]
-    return {"grads": whole, "last": last, "old": old, "tol": (rtol, rtol * max(1.0, scale)),
+    tol = [(rtol, rtol * (1.0 if case.dtype == torch.float64 else
+                          max(g.abs().max().item() for g in stage))) for stage in whole]
+    return {"grads": whole, "last": last, "old": old, "tol": tol,
             "accumulate": case.accumulate,
             "by_p": [[g * m / p for g in stage] for stage in whole]}
 
@@ -554,7 +557,7 @@ def pipe_grads_problem(got: dict, want: dict, rank: int) -> str | None:
     """What is wrong with one stage's gradients for one m, in plain words; None if nothing."""
     m, names = got["m"], [f"the gradient of {n}" for n in PIPE_NAMES]
     mine, old = got["grads"], want.get("old", [[0] * len(PIPE_NAMES)] * (rank + 1))[rank]
-    rtol, atol = want.get("tol", (1e-12, 1e-12))
+    rtol, atol = want["tol"][rank] if "tol" in want else (1e-12, 1e-12)
     if any(g is None for g in mine) or (want.get("accumulate") and all(
             torch.equal(g.double(), o) for g, o in zip(mine, old, strict=True))):
         return (f"m={m}: no gradient reached this stage's parameters: did the backward run "
