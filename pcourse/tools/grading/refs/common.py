@@ -168,8 +168,9 @@ def differ(got: list, want: list, names: list[str]) -> str | None:
 
 @dataclass(frozen=True)
 class Case:
-    """One case drawn from :data:`CONTRACT`: the dtype, the shape (an MLP's (d, hidden), or
-    f's and g's input), the input's layout, and whether gradients are already there."""
+    """One case drawn from an exercise's ``CONTRACT`` (09's: :mod:`.tensor_parallel`): the
+    dtype, the shape (an MLP's (d, hidden), or f's and g's input), the input's layout
+    (:func:`to_leaf`, :func:`as_view`), and whether gradients are already there."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
