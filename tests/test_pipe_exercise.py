@@ -194,3 +194,67 @@ def test_inputs_and_targets_read_on_the_wrong_stage_say_where_they_are():
     assert not inputs and not targets
     with pytest.raises(LookupError, match="only stage 2 has the targets"):
         targets[0]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [2, 5, 6, 7, 8])
+def test_random_orders_are_valid_never_deadlock_and_leave_the_forwards_order(p, m):
+    orders = refs.random_orders(p, m, seed=m)
+    for order in orders:
+        assert sorted(order) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+        assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(m))
+    assert blocked(orders) == []
+    assert any(refs._out_of_turn(order) for order in orders)  # what 1F1B and GPipe never do
+    assert refs.random_orders(p, m, seed=m) == orders  # every rank draws the same
+
+
+def test_every_case_s_orders_never_deadlock():
+    for case in refs.stage_cases():
+        for p in (2, 3, 4):
+            assert blocked(case.orders(p)) == []
+
+
+def threaded_case(run_stage, p: int, case) -> list[dict]:
+    """Every stage's result in one of the loop's cases (its orders, dtype, shape, gradients
+    already there), as pipe_cases_trial sends it back; stages on threads."""
+    mailbox, out, errors = Mailbox(), [None] * p, []
+    stages = [refs.pipe_stage(p, r, case) for r in range(p)]
+    for r, stage in enumerate(stages):
+        for t, old in zip(stage.parameters(), refs.old_grads(case, p, r) if case.accumulate
+                          else [], strict=False):
+            t.grad = old
+    batch = refs.pipe_batch(case.m, case)
+    inputs, targets = (list(t.split(case.shape[0])) for t in batch)
+
+    def stage_main(rank: int) -> None:
+        try:
+            run_stage(stages[rank], case.orders(p)[rank], ThreadGroup(mailbox, rank, p),
+                      inputs, targets, case.m)
+            out[rank] = {"grads": [t.grad for t in stages[rank].parameters()], "changed": False}
+        except Exception as exc:  # noqa: BLE001 - reported below, for the test to fail
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stage_main, args=(r,)) for r in range(p)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 3])
+@pytest.mark.parametrize("k", range(len(refs.stage_cases())))
+def test_the_solution_passes_every_case_and_a_queue_of_forwards_does_not(p, k):
+    case = refs.stage_cases()[k]
+    want = refs.one_process_pipe(p, case.m, case)
+    for rank, got in enumerate(threaded_case(solution_loop(), p, case)):
+        assert refs.stage_case_problem(got, case, want, rank) is None
+    queue = solution_loop(("kept = {}", "kept = []"), ("kept[i] = (x, y)", "kept.append((x, y))"),
+                          ("x, y = kept.pop(i)", "x, y = kept.pop(0)"))
+    said = [refs.stage_case_problem(o, case, want, r)
+            for r, o in enumerate(threaded_case(queue, p, case))]
+    if case.order == "random":
+        assert any("pair each ('B', i)" in (s or "") for s in said), said
+    else:
+        assert said == [None] * p  # 1F1B and GPipe run the backwards in the forwards' order

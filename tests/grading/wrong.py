@@ -288,6 +288,15 @@ def pipe_loop(old: str, new: str) -> str:
     return PIPE_LOOP.replace(old, new)
 
 
+def pipe_loop_swaps(*swaps: tuple[str, str]) -> str:
+    """Exercise 10's loop with several pieces changed, each ``(old, new)``."""
+    loop = PIPE_LOOP
+    for old, new in swaps:
+        assert loop.count(old) == 1, old
+        loop = loop.replace(old, new)
+    return loop
+
+
 def pipe_order(warm: str = "min(p - rank - 1, m)", cool_down: bool = True) -> str:
     """Exercise 10's order from the closed form, with its warm-up written as ``warm``."""
     tail = "\n    order += [(\"B\", i) for i in range(m - warm, m)]" if cool_down else ""
@@ -1036,6 +1045,30 @@ WRONG: dict[str, dict[str, Wrong]] = {
             if group.rank == 0:
                 group.allreduce(x.clone(), "sum")
             return x.clone()""", RIGHT, RIGHT, RIGHT, RIGHT, RIGHT], "check 2/5"),
+        # issue 55: what the checks of one float64 shape, one group and fresh tensors let by
+        "f's backward sums the gradient it is handed, in place": Wrong("point", [
+            RIGHT, 'return ctx.group.allreduce(grad, "sum"), None', RIGHT, RIGHT, RIGHT, RIGHT,
+            RIGHT, RIGHT], "changed the gradient it was handed in place"),
+        "g's forward sums its input in place": Wrong("point", [
+            RIGHT, RIGHT, 'return group.allreduce(x, "sum")', RIGHT, RIGHT, RIGHT, RIGHT, RIGHT],
+            "changed the caller's input in place"),
+        "g returns a float64 copy": Wrong("point", [
+            RIGHT, RIGHT, 'return group.allreduce(x.to(torch.float64, copy=True), "sum")', RIGHT,
+            RIGHT, RIGHT, RIGHT, RIGHT], "returned float64 for a float32 input"),
+        "the group kept in a module global, set by f's forward": Wrong("point", [
+            """
+            global GROUP
+            GROUP = group
+            return x.view_as(x)""", 'return GROUP.allreduce(grad.clone(), "sum"), None', RIGHT,
+            RIGHT, RIGHT, RIGHT, RIGHT, RIGHT], "never in a module global"),
+        "blocks cut with the exercise's hidden size hard-coded": Wrong("point", [
+            RIGHT, RIGHT, RIGHT, RIGHT, """
+            n = 12 // group.size
+            rows = slice(group.rank * n, (group.rank + 1) * n)
+            return weight[rows], bias[rows]""", """
+            n = 12 // group.size
+            return weight[:, group.rank * n:(group.rank + 1) * n], bias""", RIGHT, RIGHT],
+            "hard-coded"),
         "f's backward forgotten, saved with PASS": Wrong("saved", [
             RIGHT, "return grad, None", RIGHT, RIGHT, RIGHT, RIGHT, RIGHT, RIGHT],
             "f's backward", saved("PASS")),
@@ -1066,7 +1099,7 @@ WRONG: dict[str, dict[str, Wrong]] = {
             "(y * targets[i]).sum() / m", "(y * targets[i]).sum() / group.size")],
             "divided by the number of stages p"),
         "the loss not divided at all": Wrong("point", [RIGHT, pipe_loop(
-            "(y * targets[i]).sum() / m", "(y * targets[i]).sum()")], "about 3 times"),
+            "(y * targets[i]).sum() / m", "(y * targets[i]).sum()")], "not their mean"),
         "every stage receives first, the first from the last: a ring": Wrong("deadlock", [
             RIGHT, pipe_loop("x = inputs[i] if first else group.recv(rank - 1, i).requires_grad_()",
                              "x = group.recv((rank - 1) % group.size, i).requires_grad_()")],
@@ -1082,6 +1115,19 @@ WRONG: dict[str, dict[str, Wrong]] = {
             "first, last = rank == 0, rank == group.size - 1",
             "first, last = rank == 0, rank == 1")],
             "at 3 ranks"),
+        # issue 55: what 1F1B's order alone, fresh gradients and float64 let by
+        "each backward paired with the oldest forward kept": Wrong("point", [
+            RIGHT, pipe_loop_swaps(("kept = {}", "kept = []"),
+                                   ("kept[i] = (x, y)", "kept.append((x, y))"),
+                                   ("x, y = kept.pop(i)", "x, y = kept.pop(0)"))],
+            "pair each ('B', i) with micro-batch i's own forward"),
+        "activations kept in a ring of p slots": Wrong("point", [
+            RIGHT, pipe_loop_swaps(("kept[i] = (x, y)", "kept[i % group.size] = (x, y)"),
+                                   ("x, y = kept.pop(i)", "x, y = kept[i % group.size]"))],
+            "GPipe's order (8 micro-batches in flight)"),
+        "stage.zero_grad() at the start": Wrong("point", [
+            RIGHT, pipe_loop("kept = {}", "kept = {}\n    stage.zero_grad()")],
+            "the gradients the stage held before run_stage were lost"),
         "GPipe's order, saved with PASS": Wrong("saved", [PIPE_GPIPE, RIGHT], "GPipe's order",
                                                 saved("PASS")),
         "GPipe's order, pickle.dumps made to send back a payload that runs code": Wrong(

@@ -11,7 +11,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from pcourse.tools.grading.checks import Check, Learner, at_sizes, checker, per_rank, run, uses
+import torch
+
+from pcourse.tools.grading.checks import (
+    NOT_YET,
+    Check,
+    Contract,
+    Learner,
+    at_sizes,
+    checker,
+    per_rank,
+    run,
+    uses,
+)
 from pcourse.tools.grading.refs.common import differ, gradient_trial, names, single_process_sgd
 
 PICKLE, BUFFER = Learner("average_gradients_pickle"), Learner("average_gradients_buffer")
@@ -43,6 +55,18 @@ def _skips_missing(mc: Any, p: int) -> str | None:
             return f"{fn.name}, {problem}"
     return None
 
+
+CONTRACT = Contract(
+    dtypes=(torch.float64,),  # the general model (common.make_model(general=True))
+    layouts=("a weight stored transposed (its gradient not contiguous)",),
+    aliasing=("the gradients: averaged in place, the same tensors after the call",),
+    why_not={"dtypes": NOT_YET + " (float64 is where a float32 round trip shows)",
+             "shapes": NOT_YET + " (one model whose parameters all differ in shape)",
+             "groups": NOT_YET + " (the world's communicator only)",
+             "orders": "the functions take no order of actions",
+             "accumulation": "the functions average what .grad holds; accumulating is the "
+                             "caller's backward, before them"},
+)
 
 CHECKS = (
     Check("pickle-based average equals the whole-batch gradient",

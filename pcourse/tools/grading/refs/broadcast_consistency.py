@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 from pcourse.tools.grading.checks import (
+    NOT_YET,
     Check,
+    Contract,
     Learner,
     at_sizes,
     checker,
@@ -177,6 +179,18 @@ def _untouched(mc: Any, p: int) -> str | None:
                                             for case in SPREAD_CASES
                                             if not o[case]["untouched"]), None))
 
+
+CONTRACT = Contract(
+    dtypes=(torch.float64, torch.int64),  # parameters, and BatchNorm's integer buffer
+    layouts=("a weight stored transposed",),
+    aliasing=("the model's tensors: the same after a broadcast (in place); max_spread "
+              "leaves the model untouched",),
+    why_not={"dtypes": NOT_YET + " (float64 and an integer buffer; no float32 model)",
+             "shapes": NOT_YET + " (one model, its parameters all different in shape)",
+             "groups": NOT_YET + " (the world's communicator only)",
+             "orders": "the functions take no order of actions",
+             "accumulation": "the functions read and write weights, no gradients"},
+)
 
 CHECKS = (
     Check("after a broadcast from rank 0 every rank holds rank 0's parameters and buffers",

@@ -9,7 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from pcourse.tools.grading.checks import Check, Learner, at_sizes, checker, per_rank, run
+import torch
+
+from pcourse.tools.grading.checks import (
+    NOT_YET,
+    Check,
+    Contract,
+    Learner,
+    at_sizes,
+    checker,
+    per_rank,
+    run,
+)
 from pcourse.tools.grading.refs.common import (
     differ,
     gradient_trial,
@@ -53,6 +64,18 @@ def _skips_missing(mc: Any, p: int) -> str | None:
     return per_rank(got, lambda r, o: _one_allreduce(o["calls"][0])
                     or differ(o["grads"][0], want, names(frozen=True)))
 
+
+CONTRACT = Contract(
+    dtypes=(torch.float64,),
+    layouts=("a weight stored transposed", "a frozen parameter and an unused one"),
+    aliasing=("the gradients: the same tensors after the call, one bucket between",),
+    why_not={"dtypes": NOT_YET + " (float64, where a float32 bucket shows)",
+             "shapes": NOT_YET + " (one model, its parameters all different in shape)",
+             "groups": NOT_YET + " (the world's communicator only)",
+             "orders": "allreduce_bucketed takes no order of actions",
+             "accumulation": "the function averages what .grad holds; accumulating is the "
+                             "caller's backward, before it"},
+)
 
 CHECKS = (
     Check(f"one Allreduce carries all {TOTAL} gradient numbers",

@@ -17,6 +17,7 @@ code, never after: a learner's rank that failed must not leave the others waitin
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -161,6 +162,91 @@ def differ(got: list, want: list, names: list[str]) -> str | None:
                 "went through float32 on the way (.float(), a bucket of torch.empty(n) or "
                 "torch.zeros(n) without dtype=, np.float32): keep them in the model's dtype")
     return problem
+
+
+# ---------------------------------------------------------------- cases (09, 10)
+
+@dataclass(frozen=True)
+class Case:
+    """One case drawn from an exercise's ``CONTRACT`` (09's: :mod:`.tensor_parallel`): the
+    dtype, the shape (an MLP's (d, hidden), or f's and g's input), the input's layout
+    (:func:`to_leaf`, :func:`as_view`), and whether gradients are already there."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    layout: str = "contiguous"
+    accumulate: bool = False
+
+    def said(self, what: str, shape: str = "of shape") -> str:
+        """``with a float32 <what> of shape (4, 7) (the input a transposed view, ...)``."""
+        notes = [{"contiguous": "", "transposed": "the input a transposed view",
+                  "slice": "the input a slice of a larger tensor"}[self.layout],
+                 "gradients already there" if self.accumulate else ""]
+        notes = ", ".join(n for n in notes if n)
+        return (f"with a {str(self.dtype).removeprefix('torch.')} {what} {shape} {self.shape}"
+                + (f" ({notes})" if notes else ""))
+
+
+def tolerance(dtype: torch.dtype, scale: float = 1.0) -> tuple[float, float]:
+    """(rtol, atol) for a result of ``dtype`` against a float64 reference of the same rounded
+    inputs; ``scale``: the reference's largest magnitude. float64 differs only in the order
+    of additions; float32 and bfloat16 round every product and sum."""
+    rtol = {torch.float64: 1e-12, torch.float32: 1e-4, torch.bfloat16: 5e-2}[dtype]
+    return rtol, rtol * max(1.0, scale)
+
+
+def close(got: Any, want: torch.Tensor, name: str, dtype: torch.dtype) -> str | None:
+    """:func:`tensors_differ` at ``dtype``'s tolerance."""
+    rtol, atol = tolerance(dtype, want.abs().max().item() if want.numel() else 1.0)
+    return tensors_differ([got], [want], [name], rtol=rtol, atol=atol)
+
+
+def to_leaf(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """The tensor a view of ``layout`` is taken of (:func:`as_view` of it equals ``t``)."""
+    if layout == "transposed":
+        return t.permute(*reversed(range(t.dim()))).contiguous()
+    if layout == "slice":
+        return torch.nn.functional.pad(t, (1, 1))
+    return t.clone()
+
+
+def as_view(leaf: torch.Tensor, layout: str) -> torch.Tensor:
+    """The input a case hands on: ``leaf`` itself, transposed back, or its middle slice."""
+    if layout == "transposed":
+        return leaf.permute(*reversed(range(leaf.dim())))
+    if layout == "slice":
+        return leaf[..., 1:-1]
+    return leaf
+
+
+def old_grad(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A gradient already there before the call (a caller accumulating over steps)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def each_case(one: Callable[[int], Any], ks: list[int]) -> list:
+    """``one(k)`` for each case in turn; the first that raises ends the list with its error,
+    so that the problem of a case before it is still seen, and said first."""
+    out = []
+    for k in ks:
+        try:
+            out.append(one(k))
+        except Exception as exc:  # noqa: BLE001 - the learner's error, said with its case
+            out.append({"error": f"{type(exc).__name__}: {exc}"})
+            break
+    return out
+
+
+def case_error(results: list[list], at: int, said: str) -> str:
+    """The error the ranks' case ``at`` (said ``said``) raised: a rank's own before one
+    that only waited for it."""
+    errors = [(r, c[at]["error"]) for r, c in enumerate(results)
+              if len(c) > at and "error" in c[at]]
+    waited = ("DeadlockError", "CollectiveTimeout", "TimeoutError")
+    r, error = min(errors, key=lambda e: (e[1].split(":")[0] in waited, e[0]))
+    return f"rank {r}: {said}, the code raised {error}"
+
 
 
 # ---------------------------------------------------------------- gradients (02, 06)

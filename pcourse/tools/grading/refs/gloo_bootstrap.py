@@ -16,7 +16,16 @@ import numpy as np
 import torch
 
 from pcourse.runtime import private
-from pcourse.tools.grading.checks import Check, Learner, at_sizes, checker, once, per_rank, run
+from pcourse.tools.grading.checks import (
+    Check,
+    Contract,
+    Learner,
+    at_sizes,
+    checker,
+    once,
+    per_rank,
+    run,
+)
 from pcourse.tools.grading.trials import CountingComm, reports_calls, world
 
 INIT = Learner("init_gloo")
@@ -191,6 +200,17 @@ def _keeps_timeout(mc: Any, p: int) -> str | None:
                     f"the group's timeout is {o['timeout']:g} s, expected the {TIMEOUTS[p]} s "
                     "given")
 
+
+CONTRACT = Contract(
+    why_not={"dtypes": "init_gloo makes a process group; the sums it is checked with are "
+                       "Gloo's own",
+             "shapes": "init_gloo takes a communicator and a timeout, no tensor",
+             "aliasing": "init_gloo takes no tensor of the caller's",
+             "groups": "torch.distributed holds one default group per process: a second "
+                       "init_process_group is an error",
+             "orders": "init_gloo takes no order of actions",
+             "accumulation": "init_gloo takes no gradients, so none accumulate"},
+)
 
 CHECKS = (
     Check("rank 0's OS-chosen port reaches every rank over MPI, returned as (address, port)",

@@ -12,7 +12,16 @@ from typing import Any
 
 import torch
 
-from pcourse.tools.grading.checks import Check, Learner, at_sizes, checker, per_rank, run
+from pcourse.tools.grading.checks import (
+    NOT_YET,
+    Check,
+    Contract,
+    Learner,
+    at_sizes,
+    checker,
+    per_rank,
+    run,
+)
 from pcourse.tools.grading.refs.common import (
     addresses,
     differ,
@@ -116,6 +125,17 @@ def _periodic(mc: Any, p: int) -> str | None:
     want = local_sgd_reference(p, steps=10, period=4)  # every rank, simulated here
     return per_rank(got, lambda r, mine: differ(mine, want[r], names()))
 
+
+CONTRACT = Contract(
+    dtypes=(torch.float64,),
+    aliasing=("the parameters: averaged in place, the same tensors after",),
+    why_not={"dtypes": NOT_YET + " (the general model's float64)",
+             "shapes": NOT_YET + " (one model)",
+             "groups": NOT_YET + " (the world's communicator only; federated averaging over "
+                                 "subsets is lesson 08's, not this exercise's)",
+             "orders": "the functions take no order of actions (a period, tried at 1 and 4)",
+             "accumulation": "local_sgd zeroes its own gradients each step, as SGD does"},
+)
 
 CHECKS = (
     Check("average_parameters gives every rank the mean of the ranks' weights, in place",

@@ -13,7 +13,15 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pcourse.tools.grading.checks import Check, Learner, at_sizes, checker, per_rank, run
+from pcourse.tools.grading.checks import (
+    Check,
+    Contract,
+    Learner,
+    at_sizes,
+    checker,
+    per_rank,
+    run,
+)
 from pcourse.tools.grading.refs.common import _said
 from pcourse.tools.grading.trials import world
 
@@ -95,6 +103,15 @@ def _rng_spared(mc, p: int) -> str | None:
                     "shard changed the global random state (torch.manual_seed, np.random.seed or "
                     "random.seed): draw from a torch.Generator of its own")
 
+
+CONTRACT = Contract(
+    shapes=((101,), (11,), (2,)),  # n with a remainder at 2 and 3 ranks, and n below size
+    why_not={"dtypes": "shard takes and returns Python integers (indices), no tensor",
+             "aliasing": "shard takes numbers only: nothing of the caller's to change",
+             "groups": "shard takes a rank and a size, no group or communicator",
+             "orders": "shard takes no order of actions",
+             "accumulation": "shard takes no gradients, so none accumulate"},
+)
 
 CHECKS = (
     Check("every rank gets n // size samples, none twice",

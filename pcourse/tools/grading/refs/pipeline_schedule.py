@@ -3,12 +3,18 @@
 The order is plain Python, checked against the closed form (:func:`one_f_one_b_reference`)
 at every p, stage and m; the loop runs a chain of blocks cut into stages, its messages
 between stages through :class:`PipeGroup` (sends that return at once, receives with a
-deadline), against one process's gradients (:func:`one_process_pipe`).
+deadline), against one process's gradients (:func:`one_process_pipe`). The loop's cases
+are drawn from :data:`CONTRACT` (:func:`stage_cases`): 1F1B's order, GPipe's, and random
+valid ones (:func:`random_orders`), in each dtype, in other shapes, with gradients already
+there, on two communicators in turn.
 """
 
 from __future__ import annotations
 
+import functools
+import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,6 +22,7 @@ import torch
 
 from pcourse.tools.grading.checks import (
     Check,
+    Contract,
     ExerciseError,
     Learner,
     at_sizes,
@@ -24,6 +31,7 @@ from pcourse.tools.grading.checks import (
     run,
     tensors_differ,
 )
+from pcourse.tools.grading.refs.common import case_error, each_case
 from pcourse.tools.grading.trials import world
 
 ORDER, STAGE = Learner("one_f_one_b"), Learner("run_stage")
@@ -33,6 +41,90 @@ PIPE_WIDTH, PIPE_MICRO = 4, 2  # the model's width; rows of one micro-batch
 PIPE_LAYERS = 2  # Linear + tanh blocks per stage: the stages of p = 2, 3, 4 cut one chain
 PIPE_MS = (1, 3, 4, 8)  # micro-batch counts of the loop's checks: m < p, m not a multiple of p
 PIPE_ORDER_SIZES = (2, 3, 4)  # the order is plain Python: checked at every size, grader or not
+
+CONTRACT = Contract(
+    dtypes=(torch.float64, torch.float32, torch.bfloat16),  # the stage's; messages carry it
+    shapes=((3, 5), (1, 6)),  # a micro-batch's (rows, width) beyond the text's [2, 4]
+    layouts=("the inputs and targets: views of one batch, as a caller's split gives them",),
+    aliasing=("the inputs and targets: views of the caller's batch, compared after",),
+    groups=2,  # the cases alternate two communicators, each its own group: a loop that keeps
+    #            a group from an earlier call sends where no one receives
+    orders=("1F1B", "GPipe (m > p in flight)",
+            "random valid: each stage's forward of a micro-batch before its backward, drawn "
+            "from one random run of the whole pipeline, so no stage waits on a message sent "
+            "only after its own wait (random_orders)"),
+    accumulation=True,  # gradients already there before run_stage, added to
+)
+
+
+@dataclass(frozen=True)
+class StageCase:
+    """One case of the loop: its order ("1F1B", "GPipe" or "random"), m, the stage's dtype,
+    a micro-batch's (rows, width), and whether gradients are already there."""
+
+    order: str
+    m: int
+    dtype: torch.dtype = torch.float64
+    shape: tuple[int, int] = (2, 4)
+    accumulate: bool = False
+
+    def said(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        order = {"1F1B": "1F1B's order", "GPipe": f"GPipe's order ({self.m} micro-batches in "
+                 "flight)", "random": "a random valid order"}[self.order]
+        grads = ", gradients already there" if self.accumulate else ""
+        return f"with {order}, m={self.m}, {dtype} micro-batches of {self.shape}{grads}"
+
+    def orders(self, p: int) -> list[list[tuple[str, int]]]:
+        """Every stage's order in this case."""
+        if self.order == "random":
+            return random_orders(p, self.m, seed=self.m)
+        if self.order == "GPipe":
+            return [gpipe_order(self.m)] * p
+        return [one_f_one_b_reference(p, r, self.m) for r in range(p)]
+
+
+def stage_cases() -> list[StageCase]:
+    """The loop's cases, drawn from :data:`CONTRACT`: the text's (1F1B, float64, [2, 4]) at
+    m = 1 and at m < p, GPipe's with more in flight than stages, random valid orders; each
+    dtype and shape, gradients already there in most (not bfloat16's: its rounding of
+    them would hide a stage's own, smaller gradients)."""
+    (a, b), dt = CONTRACT.shapes, CONTRACT.dtypes
+    return [StageCase("1F1B", 1), StageCase("1F1B", 4, dt[1], a),
+            StageCase("GPipe", 8, accumulate=True), StageCase("random", 5, dt[0], b, True),
+            StageCase("random", 6, dt[2]), StageCase("random", 7, dt[1], a, True)]
+
+
+@functools.lru_cache(maxsize=64)
+def random_orders(p: int, m: int, seed: int) -> list[list[tuple[str, int]]]:
+    """Every stage's order, drawn from one random run of the whole pipeline: each step one
+    action whose inputs are there (("F", i) on stage r after it on r - 1; ("B", i) on r after
+    ("F", i) on r and ("B", i) on r + 1). So each stage runs a micro-batch's forward before
+    its backward, and, with sends that return at once, no stage waits forever. Drawn again
+    until some stage runs its backwards in another order than its forwards (which 1F1B and
+    GPipe never do)."""
+    rng = random.Random(seed)
+    while True:
+        done: set[tuple[int, str, int]] = set()
+        orders: list[list[tuple[str, int]]] = [[] for _ in range(p)]
+        while len(done) < 2 * m * p:
+            r, a, i = rng.choice([(r, a, i) for r in range(p) for i in range(m) for a in "FB"
+                                  if (r, a, i) not in done and _ready(r, a, i, p, done)])
+            done.add((r, a, i))
+            orders[r].append((a, i))
+        if any(_out_of_turn(order) for order in orders):
+            return orders
+
+
+def _ready(r: int, a: str, i: int, p: int, done: set) -> bool:
+    if a == "F":
+        return r == 0 or (r - 1, "F", i) in done
+    return (r, "F", i) in done and (r == p - 1 or (r + 1, "B", i) in done)
+
+
+def _out_of_turn(order: list[tuple[str, int]]) -> bool:
+    """Does a stage run its backwards in another order than its forwards?"""
+    return [i for a, i in order if a == "B"] != [i for a, i in order if a == "F"]
 
 
 def one_f_one_b_reference(p: int, rank: int, m: int) -> list[tuple[str, int]]:
@@ -162,31 +254,40 @@ def _ahead(order: list[tuple[str, int]]) -> int:
     return next((k for k, (a, _) in enumerate(order) if a == "B"), len(order))
 
 
-def pipe_block(k: int) -> torch.nn.Module:
-    """Block ``k`` of the chain (Linear + tanh, float64), seeded by its place in it."""
+TEXT = StageCase("1F1B", 1)  # the text's dtype and shape (m aside)
+
+
+def pipe_block(k: int, case: StageCase = TEXT) -> torch.nn.Module:
+    """Block ``k`` of the chain (Linear + tanh, in the case's dtype and width), seeded by its
+    place in it."""
     torch.manual_seed(1000 + k)
-    return torch.nn.Sequential(torch.nn.Linear(PIPE_WIDTH, PIPE_WIDTH), torch.nn.Tanh()).double()
+    width = case.shape[1]
+    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()).double().to(
+        case.dtype)
 
 
-def pipe_stage(p: int, rank: int) -> torch.nn.Module:
+def pipe_stage(p: int, rank: int, case: StageCase = TEXT) -> torch.nn.Module:
     """Stage ``rank`` of ``p``: blocks PIPE_LAYERS·rank onwards of the chain."""
-    return torch.nn.Sequential(*(pipe_block(rank * PIPE_LAYERS + j) for j in range(PIPE_LAYERS)))
+    return torch.nn.Sequential(*(pipe_block(rank * PIPE_LAYERS + j, case)
+                                 for j in range(PIPE_LAYERS)))
 
 
-def pipe_batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pipe_batch(m: int, case: StageCase = TEXT) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole batch of m micro-batches, and the weights the loss sums the output with.
 
     The weights differ at every position, so a micro-batch's output paired with another
     one's weights, or transposed, changes the gradients.
     """
-    gen = torch.Generator().manual_seed(500 + m)
-    shape = (m * PIPE_MICRO, PIPE_WIDTH)
-    return (torch.randn(shape, generator=gen, dtype=torch.float64),
-            torch.randn(shape, generator=gen, dtype=torch.float64))
+    seed = 500 + m if case.shape == TEXT.shape else 600 + m + 10 * case.shape[1]
+    gen = torch.Generator().manual_seed(seed)
+    shape = (m * case.shape[0], case.shape[1])
+    return (torch.randn(shape, generator=gen, dtype=torch.float64).to(case.dtype),
+            torch.randn(shape, generator=gen, dtype=torch.float64).to(case.dtype))
 
 
-def _micro(t: torch.Tensor, m: int) -> list[torch.Tensor]:
-    return [c.clone() for c in t.split(PIPE_MICRO)][:m]
+def _micro(t: torch.Tensor, m: int, rows: int = PIPE_MICRO) -> list[torch.Tensor]:
+    """The micro-batches: views of the caller's batch (the checks compare it after)."""
+    return list(t.split(rows))[:m]
 
 
 class NotHere:
@@ -208,11 +309,12 @@ class NotHere:
         return f"<no {self.what} on stage {self.rank}>"
 
 
-def pipe_data(m: int, p: int, rank: int) -> tuple[Any, Any]:
+def pipe_data(m: int, p: int, rank: int, case: StageCase = TEXT) -> tuple[Any, Any]:
     """Stage ``rank``'s inputs (the first stage's) and targets (the last's), m micro-batches."""
-    x, weights = pipe_batch(m)
-    return (_micro(x, m) if rank == 0 else NotHere("inputs", 0, rank),
-            _micro(weights, m) if rank == p - 1 else NotHere("targets", p - 1, rank))
+    x, weights = pipe_batch(m, case)
+    return (_micro(x, m, case.shape[0]) if rank == 0 else NotHere("inputs", 0, rank),
+            _micro(weights, m, case.shape[0]) if rank == p - 1 else
+            NotHere("targets", p - 1, rank))
 
 
 PIPE_TAG_BASE = 3000  # above the small tags other exercises' messages carry
@@ -228,8 +330,10 @@ class PipeGroup:
     taken for another micro-batch's, nor for one of another m run on the same communicator.
     """
 
-    def __init__(self, comm: Any, timeout: float, m: int, base: int = 0) -> None:
+    def __init__(self, comm: Any, timeout: float, m: int, base: int = 0,
+                 case: StageCase = TEXT) -> None:
         self.comm, self.timeout, self.m, self.base = comm, timeout, m, base
+        self.shape, self.dtype = case.shape, case.dtype
         self.rank, self.size = comm.rank, comm.size
         self.pending: list[tuple[Any, np.ndarray, str]] = []  # requests, buffers they keep
 
@@ -256,21 +360,23 @@ class PipeGroup:
             raise TypeError(f"group.send needs a tensor, got {type(tensor).__name__} (a "
                             "received activation needs requires_grad_() before the forward, "
                             "or its .grad stays None)")
-        if tuple(tensor.shape) != (PIPE_MICRO, PIPE_WIDTH):
+        if tuple(tensor.shape) != self.shape:
             raise ValueError(f"group.send got a tensor of shape {tuple(tensor.shape)}; every "
-                             f"message here is one micro-batch, {(PIPE_MICRO, PIPE_WIDTH)}")
+                             f"message here is one micro-batch, {self.shape}")
         tag = self._tag(i)
-        buf = np.ascontiguousarray(tensor.detach().double().numpy()).copy()
+        buf = np.ascontiguousarray(tensor.detach().double().numpy()).copy()  # exact for
+        #                                                   float32 and bfloat16 numbers too
         what = f"micro-batch {int(i)}'s tensor from stage {self.rank} to stage {dest}"
         self.pending.append((self.comm.Isend(buf, dest, tag), buf, what))
 
     def recv(self, source: int, i: int) -> torch.Tensor:
-        """Wait for micro-batch ``i``'s tensor from rank ``source``; a new float64 tensor."""
+        """Wait for micro-batch ``i``'s tensor from rank ``source``; a new tensor of the
+        stage's dtype."""
         from pcourse.runtime.waits import CollectiveTimeout, wait_request
         from pcourse.tools.grading.trials import DeadlockError
 
         source = self._peer(source, "received from")
-        buf = np.empty((PIPE_MICRO, PIPE_WIDTH))
+        buf = np.empty(self.shape)
         request = self.comm.Irecv(buf, source, self._tag(i))
         try:
             wait_request(request, self.timeout)
@@ -283,7 +389,7 @@ class PipeGroup:
                 "with sends that return at once, only receives wait, so follow the order: a "
                 "forward receives from rank - 1 (the first stage takes its input), a backward "
                 "from rank + 1 (the last stage starts from its loss)") from None
-        return torch.from_numpy(buf)
+        return torch.from_numpy(buf).to(self.dtype)
 
     def finish(self) -> None:
         """Wait for every send posted: each must have been received, within the deadline."""
@@ -322,6 +428,43 @@ def pipe_stage_trial(run_stage: Callable, one_f_one_b: Callable | None,
         out.append({"grads": [None if t.grad is None else t.grad.detach().clone()
                               for t in stage.parameters()]})  # its m: its place in ms
     return out
+
+
+def old_grads(case: StageCase, p: int, rank: int) -> list[torch.Tensor]:
+    """The gradients stage ``rank`` holds before run_stage, where its case has some."""
+    gen = torch.Generator().manual_seed(800 + rank + 10 * p)
+    return [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(case.dtype)
+            for t in pipe_stage(p, rank, case).parameters()]
+
+
+def pipe_cases_trial(run_stage: Callable) -> list[dict]:
+    """This stage's gradients after the learner's ``run_stage`` in each case of
+    :func:`stage_cases`, on two communicators in turn (each case its own group), and
+    whether the caller's batch changed; the first case that raises ends the list."""
+    comms = [world().Dup(), world().Dup()]  # never freed: see pipe_stage_trial
+    return each_case(lambda k: _stage_case(run_stage, comms[k % 2], stage_cases()[k], k),
+                     list(range(len(stage_cases()))))
+
+
+def _stage_case(run_stage: Callable, comm: Any, case: StageCase, k: int) -> dict:
+    from pcourse.tools.grading.trials import OP_TIMEOUT
+
+    p, rank = comm.size, comm.rank
+    group = PipeGroup(comm, OP_TIMEOUT, case.m, base=PIPE_TAG_BASE + 100 * (k + 1), case=case)
+    stage = pipe_stage(p, rank, case)
+    for t, old in zip(stage.parameters(), old_grads(case, p, rank) if case.accumulate else [],
+                      strict=False):
+        t.grad = old
+    batch = pipe_batch(case.m, case)
+    kept = [t.clone() for t in batch]
+    inputs, targets = (_micro(t, case.m, case.shape[0]) for t in batch)
+    run_stage(stage, case.orders(p)[rank], group,
+              inputs if rank == 0 else NotHere("inputs", 0, rank),
+              targets if rank == p - 1 else NotHere("targets", p - 1, rank), case.m)
+    group.finish()
+    return {"grads": [None if t.grad is None else t.grad.detach().clone()
+                      for t in stage.parameters()],
+            "changed": any(not torch.equal(a, b) for a, b in zip(batch, kept, strict=True))}
 
 
 def pipe_deadlock_orders(p: int, rank: int) -> list[tuple[str, int]]:
@@ -366,22 +509,34 @@ def pipe_deadlock_problem(got: dict) -> str | None:
     return None
 
 
-def one_process_pipe(p: int, m: int) -> dict:
-    """One process, the whole chain of p stages, on the whole batch of m micro-batches.
+@functools.lru_cache(maxsize=64)
+def one_process_pipe(p: int, m: int, case: StageCase | None = None) -> dict:
+    """One process, the whole chain of p stages, on the whole batch of m micro-batches, in
+    float64 of the case's rounded numbers.
 
     The loss is the mean over micro-batches of each one's weighted sum. Also returned:
     the gradients of micro-batch m - 1 alone (what a loop that does not accumulate
-    keeps), and those of the loss divided by p instead of m.
+    keeps), those of the loss divided by p instead of m, the gradients already there
+    (``old``, zeros where none) and each stage's tolerance, its dtype's relative to the
+    stage's own gradients (``tol``).
     """
-    x, weights = pipe_batch(m)
-    stages = [pipe_stage(p, r) for r in range(p)]
+    case = case or TEXT
+    x, weights = (t.double() for t in pipe_batch(m, case))
+    stages = [pipe_stage(p, r, case).double() for r in range(p)]
     model = torch.nn.Sequential(*stages)
     (model(x) * weights).sum().div(m).backward()
     whole = [[t.grad.clone() for t in s.parameters()] for s in stages]
     model.zero_grad()
-    (model(x[-PIPE_MICRO:]) * weights[-PIPE_MICRO:]).sum().div(m).backward()
+    rows = case.shape[0]
+    (model(x[-rows:]) * weights[-rows:]).sum().div(m).backward()
     last = [[t.grad.clone() for t in s.parameters()] for s in stages]
-    return {"grads": whole, "last": last,
+    old = [[g.double() for g in old_grads(case, p, r)] if case.accumulate else
+           [torch.zeros_like(g) for g in whole[r]] for r in range(p)]
+    rtol = {torch.float64: 1e-12, torch.float32: 1e-4, torch.bfloat16: 6e-2}[case.dtype]
+    tol = [(rtol, rtol * (1.0 if case.dtype == torch.float64 else
+                          max(g.abs().max().item() for g in stage))) for stage in whole]
+    return {"grads": whole, "last": last, "old": old, "tol": tol,
+            "accumulate": case.accumulate,
             "by_p": [[g * m / p for g in stage] for stage in whole]}
 
 
@@ -401,25 +556,35 @@ def pipe_stage_problem(got: list[dict], want: dict[int, dict], rank: int) -> str
 def pipe_grads_problem(got: dict, want: dict, rank: int) -> str | None:
     """What is wrong with one stage's gradients for one m, in plain words; None if nothing."""
     m, names = got["m"], [f"the gradient of {n}" for n in PIPE_NAMES]
-    mine = got["grads"]
-    if any(g is None for g in mine):
+    mine, old = got["grads"], want.get("old", [[0] * len(PIPE_NAMES)] * (rank + 1))[rank]
+    rtol, atol = want["tol"][rank] if "tol" in want else (1e-12, 1e-12)
+    if any(g is None for g in mine) or (want.get("accumulate") and all(
+            torch.equal(g.double(), o) for g, o in zip(mine, old, strict=True))):
         return (f"m={m}: no gradient reached this stage's parameters: did the backward run "
                 "(torch.autograd.backward(output, gradient)) on the stage's own output?")
-    problem = tensors_differ(mine, want["grads"][rank], names, rtol=1e-12, atol=1e-12)
+
+    def plus(grads: list) -> list:
+        return [g + o for g, o in zip(grads, old, strict=True)]
+
+    problem = tensors_differ(mine, plus(want["grads"][rank]), names, rtol=rtol, atol=atol)
     if problem is None:
         return None
 
     def same(other: list) -> bool:
-        return tensors_differ(mine, other, rtol=1e-12, atol=1e-12) is None
+        return tensors_differ(mine, other, rtol=rtol, atol=atol) is None
 
+    if want.get("accumulate") and same(want["grads"][rank]):
+        return (f"m={m}: {problem}: the gradients the stage held before run_stage were lost "
+                "(zeroed or replaced): a caller that accumulates over steps (gradient "
+                "accumulation, lesson 12's 3D mesh) keeps them; add to .grad, never zero it")
     if m > 1 and same(want["last"][rank]):
         return (f"m={m}: {problem}: it is the last micro-batch's gradient alone; the "
                 "micro-batches' gradients must add up (backward adds into .grad: do not zero "
                 "or replace it between micro-batches)")
-    if same(want["by_p"][rank]):
+    if same(plus(want["by_p"][rank])):
         return (f"m={m}: {problem}: the loss was divided by the number of stages p; the mean "
                 f"is over the m = {m} micro-batches")
-    if m > 1 and same([g * m for g in want["grads"][rank]]):
+    if m > 1 and same(plus([g * m for g in want["grads"][rank]])):
         return (f"m={m}: {problem}: it is the sum of the micro-batches' losses, not their mean: "
                 "divide each one's loss by m")
     return f"m={m}: {problem}"
@@ -440,6 +605,37 @@ def _stages(mc: Any, p: int, mine: Learner | None = None) -> str | None:
     return per_rank(got, lambda r, o: pipe_stage_problem(o, want, r))
 
 
+def _cases(mc: Any, p: int) -> str | None:
+    got = run(mc, pipe_cases_trial, STAGE, ranks=p)
+    cases = stage_cases()
+
+    def test(rank: int, results: list[dict]) -> str | None:
+        for at, (one, case) in enumerate(zip(results, cases, strict=False)):
+            if "error" in one:
+                hint = (": a stage keeps every micro-batch forwarded and not yet backwarded "
+                        "(all m of them under GPipe)") if case.order == "GPipe" else ""
+                raise ExerciseError(f"at {p} ranks, " + case_error(got, at, case.said()) + hint)
+            problem = stage_case_problem(one, case, one_process_pipe(p, case.m, case), rank)
+            if problem:
+                return problem
+        return None
+
+    return per_rank(got, test)
+
+
+def stage_case_problem(got: dict, case: StageCase, want: dict, rank: int) -> str | None:
+    """What is wrong with one stage's run of one case, in plain words; None if nothing."""
+    if got["changed"]:
+        return (f"{case.said()}: run_stage changed the caller's inputs or targets (views of "
+                "its batch) in place: leave them as given")
+    problem = pipe_grads_problem({**got, "m": case.m}, want, rank)
+    if problem and case.order == "random" and "lost" not in problem:
+        problem += ("; this order runs some stage's backwards in another order than its "
+                    "forwards (1F1B's and GPipe's orders, which passed, never do): pair each "
+                    "('B', i) with micro-batch i's own forward, kept by its number")
+    return f"{case.said()}: {problem.removeprefix(f'm={case.m}: ')}" if problem else None
+
+
 def _deadlock(mc: Any, p: int) -> str | None:
     return per_rank(run(mc, pipe_deadlock_trial, STAGE, ranks=p),
                     lambda r, o: pipe_deadlock_problem(o))
@@ -448,8 +644,9 @@ def _deadlock(mc: Any, p: int) -> str | None:
 CHECKS = (
     Check("the 1F1B order of every stage at p = 2, 3, 4 and m = 1 to 8, min(p - rank, m) in "
           "flight", _orders),
-    Check("run_stage with 1F1B's order: each stage's gradients equal one process's "
-          "(m = 1, 3, 4, 8)", lambda mc: at_sizes(mc, lambda p: _stages(mc, p))),
+    Check("run_stage with any valid order (1F1B's, GPipe's, random ones), each dtype and "
+          "shape, gradients already there: each stage's gradients equal one process's",
+          lambda mc: at_sizes(mc, lambda p: _cases(mc, p))),
     Check("run_stage with your one_f_one_b's order: the same gradients",
           lambda mc: at_sizes(mc, lambda p: _stages(mc, p, ORDER))),
     Check("an order that cannot finish is reported as a deadlock within the deadline, not a "

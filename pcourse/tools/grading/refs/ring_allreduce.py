@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 
 from pcourse.tools.grading.checks import (
+    NOT_YET,
     Check,
+    Contract,
     Learner,
     at_sizes,
     checker,
@@ -88,6 +90,15 @@ def _ring_like(p: int, n: int) -> Callable[[int, dict], str | None]:
 def _traffic(mc: Any, p: int, n: int = 1001) -> str | None:
     return per_rank(run(mc, ring_trial, RING, n, ranks=p), _ring_like(p, n))
 
+
+CONTRACT = Contract(
+    shapes=((1000,), (1001,), (4,), (2,), (1,)),  # n divisible by p or not, n below p
+    why_not={"dtypes": NOT_YET + " (one dtype of data)",
+             "aliasing": NOT_YET,
+             "groups": NOT_YET + " (the world's communicator only)",
+             "orders": "ring_allreduce takes no order of actions",
+             "accumulation": "ring_allreduce takes no gradients, so none accumulate"},
+)
 
 CHECKS = (
     Check("ring sum equals the sum of every rank's data (n = 1000)",

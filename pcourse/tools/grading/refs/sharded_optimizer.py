@@ -13,7 +13,9 @@ from typing import Any
 import torch
 
 from pcourse.tools.grading.checks import (
+    NOT_YET,
     Check,
+    Contract,
     Learner,
     at_sizes,
     checker,
@@ -144,6 +146,18 @@ def _five_steps(mc: Any, p: int) -> str | None:
 
     return per_rank(got, test)
 
+
+CONTRACT = Contract(
+    dtypes=(torch.float64,),
+    shapes=((50,),),  # 50 parameters, which 3 ranks do not divide
+    why_not={"dtypes": NOT_YET + " (float64 only)",
+             "shapes": NOT_YET + " (one model of 50 parameters)",
+             "aliasing": NOT_YET,
+             "groups": NOT_YET + " (the world's communicator only)",
+             "orders": "the functions take no order of actions",
+             "accumulation": "sharded_step consumes the step's gradients, as an optimizer "
+                             "step does"},
+)
 
 CHECKS = (
     Check("my_slice cuts n elements into equal slices of a padded vector",
