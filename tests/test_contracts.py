@@ -13,6 +13,8 @@ import torch
 
 from pcourse.tools.grading import refs
 from pcourse.tools.grading.checks import DIMENSIONS, Contract
+from pcourse.tools.grading.refs import conjugates
+from pcourse.tools.grading.refs import orders as order_refs
 from pcourse.tools.grading.refs import pipeline_schedule as pipe
 from pcourse.tools.grading.refs import tensor_parallel as tp
 
@@ -48,8 +50,8 @@ def test_tensor_parallel_checks_draw_every_case_of_its_contract():
             set() if mlp else {"contiguous"})
         assert any(c.accumulate for c in drawn) and not all(c.accumulate for c in drawn)
     assert {c.shape for c in tp.mlp_cases()[1:]} == set(tp.CONTRACT.shapes)
-    assert (tp.TP_D, tp.TP_HIDDEN) not in tp.CONTRACT.shapes  # not the text's
-    assert tp._two_groups(tp.ALL_CASES_AT, 4)  # two groups where every case runs
+    assert (conjugates.TP_D, tp.TP_HIDDEN) not in tp.CONTRACT.shapes  # not the text's
+    assert conjugates.two_groups(conjugates.ALL_CASES_AT, 4)  # two groups where every case runs
 
 
 def test_pipeline_checks_draw_every_case_of_its_contract():
@@ -58,4 +60,4 @@ def test_pipeline_checks_draw_every_case_of_its_contract():
     assert set(pipe.CONTRACT.shapes) <= {c.shape for c in cases}
     assert {c.order for c in cases} == {"1F1B", "GPipe", "random"}
     assert any(c.accumulate for c in cases)
-    assert any(c.order == "GPipe" and c.m > max(pipe.PIPE_ORDER_SIZES) for c in cases)
+    assert any(c.order == "GPipe" and c.m > max(order_refs.PIPE_ORDER_SIZES) for c in cases)

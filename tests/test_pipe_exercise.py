@@ -16,6 +16,7 @@ import nbformat
 import pytest
 import torch
 
+from pcourse.tools.grading.refs import orders as order_refs
 from pcourse.tools.grading.refs import pipeline_schedule as refs
 
 SOLUTION = Path(__file__).resolve().parents[1] / "solutions" / "10_pipeline_schedule.ipynb"
@@ -50,12 +51,12 @@ def test_the_closed_form_is_1f1b(p, m):
         forwards = [i for a, i in order if a == "F"]
         backwards = [i for a, i in order if a == "B"]
         assert forwards == backwards == list(range(m))  # each once, in micro-batch order
-        assert refs.in_flight(order) == min(p - rank, m)  # what 1F1B is for
+        assert order_refs.in_flight(order) == min(p - rank, m)  # what 1F1B is for
         warm = min(p - rank - 1, m)
         assert order[:warm] == [("F", i) for i in range(warm)]
         steady = order[warm:warm + 2 * (m - warm)]
         assert [a for a, _ in steady] == ["F", "B"] * (m - warm)  # one forward, one backward
-        assert refs.pipe_order_problem({"p": p, "rank": rank, "m": m, "order": order}) is None
+        assert order_refs.pipe_order_problem({"p": p, "rank": rank, "m": m, "order": order}) is None
     assert blocked([refs.one_f_one_b_reference(p, r, m) for r in range(p)]) == []
 
 
@@ -69,30 +70,30 @@ def test_the_deadlock_check_s_orders_deadlock_every_stage(p):
 def test_gpipe_is_named_and_an_off_by_one_warm_up_is_told_apart():
     def results(order_of):
         return [{"p": p, "rank": r, "m": m, "order": order_of(p, r, m)}
-                for p in refs.PIPE_ORDER_SIZES for m in range(1, 9) for r in range(p)]
+                for p in order_refs.PIPE_ORDER_SIZES for m in range(1, 9) for r in range(p)]
 
-    assert refs.pipe_orders_problem(results(refs.one_f_one_b_reference)) is None
-    gpipe = refs.pipe_orders_problem(results(lambda p, r, m: refs.gpipe_order(m)))
+    assert order_refs.pipe_orders_problem(results(refs.one_f_one_b_reference)) is None
+    gpipe = order_refs.pipe_orders_problem(results(lambda p, r, m: refs.gpipe_order(m)))
     assert "GPipe's order" in gpipe and "keeps 2 micro-batches" in gpipe
 
     def one_more(p, r, m):
         return refs.one_f_one_b_reference(p + 1, r, m)  # a warm-up of min(p - rank, m)
 
-    late = refs.pipe_orders_problem(results(one_more))
+    late = order_refs.pipe_orders_problem(results(one_more))
     assert "GPipe" not in late and "a warm-up of min(p - rank - 1, m) = 0 forwards" in late
 
 
 def test_orders_and_gradients_are_taken_as_the_cases_asked_for_not_as_labelled():
     """A result labelled as an easier case (m = 1), or cases left out, must not pass."""
-    cases = refs.pipe_order_cases()
+    cases = order_refs.pipe_order_cases()
     easy = [{"p": p, "rank": r, "m": 1, "order": refs.one_f_one_b_reference(p, r, 1)}
             for p, r, _ in cases]  # every order m = 1's, each labelled m = 1
-    said = refs.pipe_orders_problem(easy)
+    said = order_refs.pipe_orders_problem(easy)
     assert said == "at p=2, m=2, stage 0: micro-batch 1 never goes forward"
     right = [{"p": p, "rank": r, "m": m, "order": refs.one_f_one_b_reference(p, r, m)}
              for p, r, m in cases]
-    assert refs.pipe_orders_problem(right) is None
-    assert "orders where" in refs.pipe_orders_problem(right[:-1])
+    assert order_refs.pipe_orders_problem(right) is None
+    assert "orders where" in order_refs.pipe_orders_problem(right[:-1])
     want = {m: refs.one_process_pipe(2, m) for m in refs.PIPE_MS}
     stage = [{"m": m, "grads": want[m]["grads"][0]} for m in refs.PIPE_MS]
     assert refs.pipe_stage_problem(stage, want, 0) is None
@@ -204,7 +205,7 @@ def test_random_orders_are_valid_never_deadlock_and_leave_the_forwards_order(p, 
         assert sorted(order) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
         assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(m))
     assert blocked(orders) == []
-    assert any(refs._out_of_turn(order) for order in orders)  # what 1F1B and GPipe never do
+    assert any(order_refs.out_of_turn(order) for order in orders)  # what 1F1B and GPipe never do
     assert refs.random_orders(p, m, seed=m) == orders  # every rank draws the same
 
 

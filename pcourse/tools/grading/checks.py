@@ -209,6 +209,8 @@ def _value(outcome: dict, ranks: int, rank: int, recorded: bool) -> Any:
     they must be the rank's own record of them, in order (:mod:`.relay`)."""
     data = outcome.get("value")
     try:
+        if not isinstance(data, bytes):
+            raise wire.WireError(f"a result is wire bytes, not {type(data).__name__}")
         value = wire.loads(data)
     except wire.WireError as exc:
         raise ExerciseError(f"at {ranks} ranks, rank {rank} sent back a result that is not "

@@ -11,7 +11,8 @@ sockets to each other says ``NETWORKED = True``.
 Modules: :mod:`.common`, :mod:`.partitioner` (01), :mod:`.average_gradients` (02),
 :mod:`.ring_allreduce` (03), :mod:`.gloo_bootstrap` (04), :mod:`.broadcast_consistency`
 (05), :mod:`.bucketed_allreduce` (06), :mod:`.parameter_averaging` (07),
-:mod:`.sharded_optimizer` (08), :mod:`.tensor_parallel` (09), :mod:`.pipeline_schedule` (10),
+:mod:`.sharded_optimizer` (08), :mod:`.tensor_parallel` (09, its cases and f and g in
+:mod:`.conjugates`), :mod:`.pipeline_schedule` (10, its orders in :mod:`.orders`),
 :mod:`.predict_memory_and_time` (11).
 """
 

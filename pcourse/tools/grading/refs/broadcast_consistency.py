@@ -31,10 +31,10 @@ BROADCAST, SPREAD = Learner("broadcast_parameters"), Learner("max_spread")
 OTHER_ROOTS = {2: [1], 3: [2, 1], 4: [3, 2]}
 
 
-def _bn_model(seed: int, shift: float = 0.0, forwards: int = 1) -> torch.nn.Module:
+def _bn_model(seed: int, shift: float = 0.0, forwards: int = 1) -> Any:  # a Sequential
     """Linear + BatchNorm; ``forwards`` train-mode passes on data shifted by ``shift``."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
+    model: Any = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).double()
     # the contract's whole range: float64, a weight stored transposed (a copy of it is no
     # longer the model's memory), a frozen parameter (a broadcast covers it too)
     model[0].weight = torch.nn.Parameter(model[0].weight.detach().t().contiguous().t())
@@ -45,7 +45,7 @@ def _bn_model(seed: int, shift: float = 0.0, forwards: int = 1) -> torch.nn.Modu
     return model
 
 
-def diverged_model(rank: int) -> torch.nn.Module:
+def diverged_model(rank: int) -> Any:  # a Sequential
     """Weights, running statistics and batch counts that all differ from rank to rank."""
     return _bn_model(100 + rank, shift=rank, forwards=rank + 1)
 
@@ -64,7 +64,7 @@ def broadcast_source(root: int) -> list[torch.Tensor]:
 BUFFER_SHIFTS = (0.0, 0.75, -0.5, -0.75)
 
 
-def buffers_only_model(rank: int) -> torch.nn.Module:
+def buffers_only_model(rank: int) -> Any:  # a Sequential
     """The same weights on every rank; only the running mean differs."""
     model = _bn_model(0)
     with torch.no_grad():
@@ -93,14 +93,14 @@ def broadcast_trial(broadcast: Callable, roots: list[int]) -> list[dict]:
     return out
 
 
-def counts_only_model(rank: int) -> torch.nn.Module:
+def counts_only_model(rank: int) -> Any:  # a Sequential
     """The same floats on every rank; only the (integer) count of batches seen differs."""
     model = _bn_model(0)
     model[1].num_batches_tracked += rank
     return model
 
 
-def nearly_identical_model(rank: int) -> torch.nn.Module:
+def nearly_identical_model(rank: int) -> Any:  # a Sequential
     """The same everywhere but one weight, 3e-9 apart between ranks 0 and 1: a spread that
     a rounded answer (to 6 decimals, or through float32) says is 0."""
     model = _bn_model(0)

@@ -45,7 +45,7 @@ class PartlyTrained(torch.nn.Module):
 
     def __init__(self, seed: int = 0, general: bool = False) -> None:
         super().__init__()
-        self.body = make_model(seed, general=general)
+        self.body: Any = make_model(seed, general=general)  # a Sequential, indexed
         self.body[0].bias.requires_grad_(False)
         self.unused = torch.nn.Linear(2, 2).to(next(self.body.parameters()).dtype)
 
@@ -53,7 +53,7 @@ class PartlyTrained(torch.nn.Module):
         return self.body(x)
 
 
-def make_model(seed: int = 0, frozen: bool = False, general: bool = False) -> torch.nn.Module:
+def make_model(seed: int = 0, frozen: bool = False, general: bool = False) -> Any:  # Sequential
     """A small MLP whose parameters all differ in shape (wrong offsets show).
 
     ``general``: the model as the exercises' contracts allow it, not only as a first
@@ -68,7 +68,7 @@ def make_model(seed: int = 0, frozen: bool = False, general: bool = False) -> to
     model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     if general:
         model = model.double()
-        last = model[2]
+        last: Any = model[2]  # a Linear (Sequential's items are typed Module)
         last.weight = torch.nn.Parameter(last.weight.detach().t().contiguous().t())
     return model
 
@@ -113,7 +113,7 @@ def sgd_step(model: torch.nn.Module, lr: float) -> None:
     with torch.no_grad():
         for p in model.parameters():
             if p.grad is not None:
-                p -= lr * p.grad
+                p.sub_(lr * p.grad)
 
 
 def learner_call(fn: Callable, comm: CountingComm, model: torch.nn.Module, *args: Any) -> Any:
@@ -179,10 +179,10 @@ class Case:
 
     def said(self, what: str, shape: str = "of shape") -> str:
         """``with a float32 <what> of shape (4, 7) (the input a transposed view, ...)``."""
-        notes = [{"contiguous": "", "transposed": "the input a transposed view",
+        parts = [{"contiguous": "", "transposed": "the input a transposed view",
                   "slice": "the input a slice of a larger tensor"}[self.layout],
                  "gradients already there" if self.accumulate else ""]
-        notes = ", ".join(n for n in notes if n)
+        notes = ", ".join(n for n in parts if n)
         return (f"with a {str(self.dtype).removeprefix('torch.')} {what} {shape} {self.shape}"
                 + (f" ({notes})" if notes else ""))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,12 +28,19 @@ from pcourse.tools.grading.trials import world
 
 SHARD = Learner("shard")
 
+def _numpy_key() -> np.ndarray:
+    """numpy's global generator's key (MT19937's state array)."""
+    state = np.random.get_state(legacy=True)
+    assert isinstance(state, tuple) and isinstance(state[1], np.ndarray)  # legacy: a tuple
+    return state[1]
+
+
 def partition_trial(shard: Callable, cases: list[tuple[int, int, int]]) -> dict:
     """This rank's indices for every (n, seed, epoch), and whether the global RNGs were spared."""
     comm = world()
-    before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    before = (torch.get_rng_state(), _numpy_key().copy(), random.getstate())
     shares = [_share(shard, n, comm.rank, comm.size, seed, epoch) for n, seed, epoch in cases]
-    after = (torch.get_rng_state(), np.random.get_state()[1], random.getstate())
+    after = (torch.get_rng_state(), _numpy_key(), random.getstate())
     spared = (torch.equal(before[0], after[0]) and np.array_equal(before[1], after[1])
               and before[2] == after[2])
     return {"shares": shares, "rng_spared": spared}
@@ -61,8 +69,9 @@ def sampler_reference(n: int, size: int, seed: int, epoch: int) -> list[list[int
 
     shares = []
     for r in range(size):
-        sampler = DistributedSampler(range(n), num_replicas=size, rank=r, shuffle=True,
-                                     seed=seed, drop_last=True)
+        dataset: Any = range(n)  # a sampler needs only len() of it
+        sampler: DistributedSampler = DistributedSampler(
+            dataset, num_replicas=size, rank=r, shuffle=True, seed=seed, drop_last=True)
         sampler.set_epoch(epoch)
         shares.append(list(sampler))
     order = [shares[i % size][i // size] for i in range(len(shares[0]) * size)]

@@ -25,7 +25,7 @@ from typing import Any
 
 from pcourse.tools.bench.predict import MEDIAN_BAR, TAU_BAR, WORST_BAR
 from pcourse.tools.bench.predict import MEMORY_BAR as PEAK_BAR  # lesson 13's bars
-from pcourse.tools.grading.checks import Check, ExerciseError, Learner, checker, run
+from pcourse.tools.grading.checks import Check, Contract, ExerciseError, Learner, checker, run
 
 COLLECTIVE = Learner("collective_time")
 LEARNERS = {"dp": Learner("predict_dp"), "zero1": Learner("predict_zero1"),
@@ -36,6 +36,15 @@ BYTES = ("parameters", "gradients", "optimizer", "activations")
 KEYS = (*BYTES, "peak", "time")
 SEED, CONFIGS, MEASURED = 20261206, 15, 4  # MEASURED: float32 configurations measured
 KINDS = ("allreduce", "reduce_scatter", "all_gather", "send")
+CONTRACT = Contract(why_not={
+    "dtypes": "numbers in, numbers out: a dtype enters as its itemsize, and the "
+              "configurations draw float32 and bfloat16",
+    "shapes": "the configurations are drawn from a seed the notebook never shows: "
+              "p = 2, 3 and 4, and shapes it never names",
+    "aliasing": "no tensors: the functions take numbers and return a new dict",
+    "groups": "no group: plain Python, called once per configuration",
+    "orders": "no order is taken: 1F1B's is fixed by the formula being predicted",
+    "accumulation": "nothing trains: the functions predict a step, they do not take one"})
 
 
 @dataclass(frozen=True)

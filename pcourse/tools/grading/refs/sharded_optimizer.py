@@ -76,7 +76,8 @@ def zero_trial(my_slice: Callable, sharded_step: Callable, steps: int) -> dict:
         model.zero_grad()
         loss_of(model, x, y).backward()
         grad = torch.zeros(padded, dtype=torch.float64)
-        grad[:n] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        grad[:n] = torch.cat([p.grad.reshape(-1) for p in model.parameters()
+                              if p.grad is not None])  # every one has one after backward
         counting = CountingComm(comm)
         sharded_step(flat, grad, shard, opt, counting)
         check_left_behind(counting, getattr(sharded_step, "__name__", "sharded_step"))
