@@ -532,8 +532,9 @@ def spec_from(args: argparse.Namespace) -> StepSpec:
             else StepSpec())
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(StepSpec)
              if getattr(args, f.name) is not None}
-    return dataclasses.replace(base, **{k: tuple(v) if isinstance(v, list) else v
-                                        for k, v in given.items()})
+    chosen: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                              for k, v in given.items()}
+    return dataclasses.replace(base, **chosen)
 
 
 def main(argv: list[str] | None = None) -> int:
