@@ -30,10 +30,13 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pcourse.tools.bench import jobs
 from pcourse.utils.show import legend_beside
+
+if TYPE_CHECKING:
+    import torch
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -250,7 +253,7 @@ def versus_torch(p: int, m: int, spec: Spec, repeats: int) -> dict | None:
     nn.functional.mse_loss(whole(x), y).backward()
     first = sum(len(split_model(layers, p, r)) for r in range(comm.rank))
     mine = split_model(layers, p, comm.rank)
-    want = [q.grad for layer in list(whole)[first:first + len(mine)]
+    want = [_grad(q) for layer in list(whole)[first:first + len(mine)]
             for q in layer.parameters()]
     out: dict[str, Any] = {"errors": {}, "times": {}, "calls": {}, "error": ""}
     with make_backend("gloo", comm=comm, timeout=60) as group:
@@ -270,7 +273,7 @@ def versus_torch(p: int, m: int, spec: Spec, repeats: int) -> dict | None:
             except Exception as exc:  # noqa: BLE001 - shown, not hidden
                 out["error"] = f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
                 break
-            out["errors"][name] = max((q.grad - w).abs().max().item()
+            out["errors"][name] = max((_grad(q) - w).abs().max().item()
                                       for q, w in zip(mine.parameters(), want, strict=True))
         good = [n for n in runs if n in out["errors"]]
         for name in good:
@@ -287,6 +290,12 @@ def versus_torch(p: int, m: int, spec: Spec, repeats: int) -> dict | None:
         out["times"] = {n: t[1:] for n, t in out["times"].items()}
     comm.Free()
     return out
+
+
+def _grad(q: torch.Tensor) -> torch.Tensor:
+    """``q.grad``, which a backward has filled: every parameter compared here has one."""
+    assert q.grad is not None, "no gradient: the step's backward did not reach it"
+    return q.grad
 
 
 def torch_schedules(module: Any, rank: int, p: int, m: int, group: Any, x: Any, y: Any
