@@ -65,6 +65,10 @@ class SlurmGPUEngineSetLauncher(SlurmEngineSetLauncher):
     :data:`GPU_REQUEST` (:func:`configure_gpus` puts them there).
     """
 
+    # The base's traitlet (a Unicode), declared for mypy, which sees the base as Any:
+    # an annotation alone, no class attribute, so the traitlet is untouched.
+    batch_template: str
+
     def _insert_options_in_script(self) -> None:
         super()._insert_options_in_script()
         request = self.namespace.get(GPU_REQUEST, "")

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from pcourse.buckets import plan_buckets
@@ -40,9 +41,10 @@ class Prediction:
     exposed: float  # the part of it after backward's end
 
 
-def bucket_bytes(params: Sequence[nn.Parameter], cap: int) -> list[int]:
+def bucket_bytes(params: Sequence[torch.Tensor], cap: int) -> list[int]:
     """Bytes each bucket sends for ``params`` (reverse registration order, as the
-    reducer takes them) at ``cap``: its gradients plus one flag per parameter."""
+    reducer takes them) at ``cap``: its gradients plus one flag per parameter.
+    Any tensors of the parameters' shapes do (meta tensors: sizes without memory)."""
     return [sum(p.numel() + 1 for p in group) * group[0].element_size()
             for group in plan_buckets(list(params), cap)]
 

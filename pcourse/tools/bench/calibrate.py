@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -93,7 +94,7 @@ def matmul_rates(seconds: float) -> list[tuple[float, float]]:
     out = []
     for n in SQUARES:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        out.append((2.0 * n**3, 2.0 * n**3 / _best(_kept(lambda a=a, b=b: torch.mm(a, b)),
+        out.append((2.0 * n**3, 2.0 * n**3 / _best(_kept(functools.partial(torch.mm, a, b)),
                                                    seconds)))
     return out
 
@@ -163,8 +164,9 @@ def attention_rates(seconds: float) -> list[tuple[float, float]]:
         qkv = tuple(torch.randn(seq, batch, heads * width, requires_grad=True)
                     for _ in range(3))
 
-        def forward(qkv: tuple = qkv, heads: int = heads) -> torch.Tensor:
-            return causal_attention(*qkv, heads)
+        def forward(qkv: tuple[torch.Tensor, ...] = qkv, heads: int = heads) -> torch.Tensor:
+            q, k, v = qkv
+            return causal_attention(q, k, v, heads)
 
         y = forward()
 
@@ -187,7 +189,7 @@ def _reference() -> Callable[[], None]:
     return lambda: block(x).square().mean().backward()
 
 
-def _stretch(step: Callable[[], None], repeats: int) -> float:
+def _stretch(step: Callable[[], object], repeats: int) -> float:
     """Seconds per ``step()`` over ``repeats`` in a row: the mean, which counts the time
     slices a rank waits for a core (a median of short steps would skip them)."""
     step()

@@ -388,9 +388,9 @@ def launch(module: str, argv: Sequence[str], ranks: int, *, timeout: float,
         found, _ = mpirun_rows(ranks, ["-m", module, *argv], timeout=timeout,
                                env=env, echo=print, contain=True, on_rows=more)
     except MPIJobError as exc:
-        partial = Outcome(**exc.rows[0]) if exc.rows else Outcome()
+        got = Outcome(**exc.rows[0]) if exc.rows else Outcome()
         said = str(exc).split(" Output tail:")[0]  # the output itself was echoed as it came
-        raise BenchError(said, partial.rows) from None
+        raise BenchError(said, got.rows) from None
     end = time.time()
     outcome = Outcome(**found[0])
     # Most of this is the launcher's, not the ranks': MPICH's gforker (the loopback-only

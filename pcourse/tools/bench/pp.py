@@ -25,14 +25,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pcourse.tools.bench import jobs
 from pcourse.utils.show import legend_beside
+
+if TYPE_CHECKING:
+    import torch
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -55,7 +59,9 @@ class Spec:
 
 def usable_cores() -> int:
     """The cores this process may run on (its affinity), not the machine's count."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    # cpu_count() is None only where the count is unknown: 1 then, as tp.default_ranks does
+    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1)
 
 
 def cores_note(p: int, cores: int) -> str:
@@ -139,8 +145,8 @@ def timed_steps(p: int, spec: Spec, backend: str = "mpi") -> dict | None:
                     for k in ("F ", "B "))
                 module.zero_grad()  # the gradients a step makes are part of its peak
                 group.barrier()
-                mid["peak_bytes"] = peak_bytes(lambda order=order, m=m: run_step(
-                    stage, order, m, spec.batch, x, y))
+                mid["peak_bytes"] = peak_bytes(functools.partial(
+                    run_step, stage, order, m, spec.batch, x, y))
                 out["runs"][schedule, m] = mid
         out["layers"] = len(module)
         out["itemsize"] = x.element_size()
@@ -247,7 +253,8 @@ def versus_torch(p: int, m: int, spec: Spec, repeats: int) -> dict | None:
     nn.functional.mse_loss(whole(x), y).backward()
     first = sum(len(split_model(layers, p, r)) for r in range(comm.rank))
     mine = split_model(layers, p, comm.rank)
-    want = [q.grad for layer in whole[first:first + len(mine)] for q in layer.parameters()]
+    want = [_grad(q) for layer in list(whole)[first:first + len(mine)]
+            for q in layer.parameters()]
     out: dict[str, Any] = {"errors": {}, "times": {}, "calls": {}, "error": ""}
     with make_backend("gloo", comm=comm, timeout=60) as group:
         stage = Stage(mine, group, (spec.width,), nn.functional.mse_loss, torch.float64,
@@ -266,7 +273,7 @@ def versus_torch(p: int, m: int, spec: Spec, repeats: int) -> dict | None:
             except Exception as exc:  # noqa: BLE001 - shown, not hidden
                 out["error"] = f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
                 break
-            out["errors"][name] = max((q.grad - w).abs().max().item()
+            out["errors"][name] = max((_grad(q) - w).abs().max().item()
                                       for q, w in zip(mine.parameters(), want, strict=True))
         good = [n for n in runs if n in out["errors"]]
         for name in good:
@@ -283,6 +290,12 @@ def versus_torch(p: int, m: int, spec: Spec, repeats: int) -> dict | None:
         out["times"] = {n: t[1:] for n, t in out["times"].items()}
     comm.Free()
     return out
+
+
+def _grad(q: torch.Tensor) -> torch.Tensor:
+    """``q.grad``, which a backward has filled: every parameter compared here has one."""
+    assert q.grad is not None, "no gradient: the step's backward did not reach it"
+    return q.grad
 
 
 def torch_schedules(module: Any, rank: int, p: int, m: int, group: Any, x: Any, y: Any
@@ -400,9 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     base = Spec.quick() if args.quick else Spec()
-    spec = dataclasses.replace(base, **{k: (tuple(v) if isinstance(v, list) else v)
-                                        for k in ("ranks", "ms", "repeats")
-                                        if (v := getattr(args, k)) is not None})
+    given: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v)
+                             for k in ("ranks", "ms", "repeats")
+                             if (v := getattr(args, k)) is not None}
+    spec = dataclasses.replace(base, **given)
     return jobs.run_command(
         "pcourse.tools.bench.pp", argv, measure, spec, report, ranks=spec.ranks,
         timeout=args.timeout, prepare=lambda: jobs.check_ranks([spec.ranks], args.oversubscribe),

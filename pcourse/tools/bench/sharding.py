@@ -342,9 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     base = Spec.quick() if args.quick else Spec()
-    spec = dataclasses.replace(base, **{k: (tuple(v) if isinstance(v, list) else v)
-                                        for k in ("ranks", "workloads", "steps", "rounds")
-                                        if (v := getattr(args, k)) is not None})
+    given: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v)
+                             for k in ("ranks", "workloads", "steps", "rounds")
+                             if (v := getattr(args, k)) is not None}
+    spec = dataclasses.replace(base, **given)
 
     def prepare() -> str:
         note = jobs.check_ranks(spec.ranks, args.oversubscribe)

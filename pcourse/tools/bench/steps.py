@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 from pcourse.tools.bench import jobs
 from pcourse.utils.io import check_writable, save, write_csv
@@ -177,18 +177,23 @@ def make_step(path: str, wl: Any, batches: list, backends: dict) -> tuple[Step, 
     from pcourse.data_parallel import average_gradients
 
     model = copy.deepcopy(wl.model)
+    buckets: Callable[[], int | str]  # a count, or "" where nothing is bucketed
     net, after, buckets = model, (lambda: None), (lambda: "")
     kind, backend_name, cap = split_path(path)
-    backend = backends.get(backend_name)
+    backend = backends.get(backend_name)  # None for "no averaging@-" alone
     if kind == "per-param":
+        assert backend is not None  # every averaging path names a backend made for it
+
         def after() -> None:
             average_gradients(model, backend, check=False)  # the strategy, not the safety net
     elif kind.startswith("bucketed"):
+        assert backend is not None and cap is not None  # paths() gives these paths a cap
         reducer = BucketedAllreduce(model, backend, cap, overlap=kind.endswith("overlap"))
         after, buckets = reducer.finish, (lambda: len(reducer.buckets))
     elif kind == "DDP":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        assert backend is not None and cap is not None  # paths() gives these paths a cap
         ids = [backend.device.index] if backend.device.type == "cuda" else None
         net = DDP(model, device_ids=ids, bucket_cap_mb=cap / MiB,  # torch's "mb" is MiB
                   gradient_as_bucket_view=True, process_group=backend.group)
@@ -329,7 +334,7 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def human(nbytes: int | str) -> str:
+def human(nbytes: int | Literal[""]) -> str:
     """A cap for people: 1 B, 16 KiB, 25 MiB ("-" for no cap)."""
     if nbytes == "":
         return "-"
@@ -532,8 +537,9 @@ def spec_from(args: argparse.Namespace) -> StepSpec:
             else StepSpec())
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(StepSpec)
              if getattr(args, f.name) is not None}
-    return dataclasses.replace(base, **{k: tuple(v) if isinstance(v, list) else v
-                                        for k, v in given.items()})
+    chosen: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                              for k, v in given.items()}
+    return dataclasses.replace(base, **chosen)
 
 
 def main(argv: list[str] | None = None) -> int:

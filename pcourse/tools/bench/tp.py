@@ -205,7 +205,7 @@ def build(mode: str, impl: str, block: Any, group: Any, spec: Spec, x: Any, w: A
         def allreduce() -> None:
             group.allreduce(torch.cat([p.grad.reshape(-1) for p in model.parameters()]), "avg")
 
-        mine = (slice(None), slice(r * part, (r + 1) * part))
+        mine: tuple[slice, slice] | slice = (slice(None), slice(r * part, (r + 1) * part))
         return Run(model, x[mine].clone(), w[mine].clone(), allreduce, group)
     sp = mode == "sp"
     mine = slice(r * spec.seq // t, (r + 1) * spec.seq // t) if sp else slice(None)
@@ -380,9 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     base = Spec.quick() if args.quick else Spec(ranks=default_ranks())
-    spec = dataclasses.replace(base, **{k: (tuple(sorted(set(v))) if isinstance(v, list) else v)
-                                        for k in ("ranks", "backends", "repeats")
-                                        if (v := getattr(args, k)) is not None})
+    given: dict[str, Any] = {k: (tuple(sorted(set(v))) if isinstance(v, list) else v)
+                             for k in ("ranks", "backends", "repeats")
+                             if (v := getattr(args, k)) is not None}
+    spec = dataclasses.replace(base, **given)
 
     def prepare() -> str:
         check_sizes(spec)

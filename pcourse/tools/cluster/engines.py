@@ -198,6 +198,7 @@ def start_cluster(
     if slurm:
         cluster = _make_slurm_cluster(n, folder, env or {}, slurm)
     else:
+        assert launcher is not None  # made above whenever slurm is not given
         cluster = _make_cluster(n, folder, launcher, env or {}, hostfile)
     progress = Bar(n, desc="engines", unit="engine")
     progress.update(0)

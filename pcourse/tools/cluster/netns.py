@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pcourse.tools.cluster.launch import ends_with_launcher, kill_group
 from pcourse.tools.cluster.reaping import owner_alive
@@ -50,10 +51,13 @@ class NetnsUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Nodes:
-    """Two namespaces joined by a veth pair: ``names[i]`` has ``ifnames[i]``, ``addrs[i]``."""
+    """Two namespaces joined by a veth pair: ``names[i]`` has ``ifnames[i]``, ``addrs[i]``.
 
-    names: tuple[str, str]
-    ifnames: tuple[str, str] = IFNAMES
+    Ranks placed on them are Nodes too: one name and ifname per rank, in rank order.
+    """
+
+    names: tuple[str, ...]
+    ifnames: tuple[str, ...] = IFNAMES
     addrs: tuple[str, str] = ADDRESSES
 
 
@@ -91,7 +95,8 @@ def cleanup(names: Sequence[str] | None = None) -> list[str]:
     or a killed kernel, so a rerun starts clean. Others' namespaces are never touched.
     """
     if names is None:
-        names = [n for n in list_ours() if not owner_alive(int(_NAME.match(n).group(1)))]
+        names = [n for n in list_ours()  # all match _NAME: the walrus narrows for mypy
+                 if (m := _NAME.match(n)) and not owner_alive(int(m.group(1)))]
     deleted = []
     for name in names:
         if _ip("netns", "del", name).returncode == 0:
@@ -229,6 +234,7 @@ def _started(proc: subprocess.Popen, deadline: float) -> str:
     """Read ``proc``'s output until it says it has started, it ends, or the deadline;
     return what it printed (an import error, for the outcome), the mark left out.
     Raw reads of the pipe: a buffered reader could hold the mark where select cannot see."""
+    assert proc.stdout is not None  # _run_ranks starts every rank with stdout=PIPE
     fd, got, mark = proc.stdout.fileno(), b"", STARTED.encode()
     while mark not in got and time.monotonic() < deadline:
         if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
@@ -250,7 +256,8 @@ def _collect(proc: subprocess.Popen, deadline: float) -> str:
 
 def _outcome(rank: int, ns: str, ifname: str, output: str) -> RankOutcome:
     lines = [ln for ln in output.splitlines() if ln.startswith("{")]
-    data = json.loads(lines[-1]) if lines else {"error": output.strip()[-500:] or "no output"}
+    data: dict[str, Any] = (json.loads(lines[-1]) if lines
+                            else {"error": output.strip()[-500:] or "no output"})
     return RankOutcome(rank, ns, ifname, data.get("result"), data.get("address"),
                        data.get("error"), data.get("seconds"))
 
@@ -293,6 +300,7 @@ def _rank_main() -> None:
         dist.init_process_group("gloo", init_method="env://",
                                 timeout=timedelta(seconds=timeout))
         job = os.environ.get("PCOURSE_NETNS_JOB")
+        result: list | dict  # as RankOutcome.result: the job's own kind of answer
         if job == "pingpong":
             result = pingpong(rank, [int(n) for n in os.environ["PCOURSE_NETNS_SIZES"].split(",")],
                               int(os.environ["PCOURSE_NETNS_REPEATS"]))
@@ -302,7 +310,7 @@ def _rank_main() -> None:
             t = torch.full((4,), float(rank + 1))
             dist.all_reduce(t)
             result = t.tolist()
-        report = {"result": result, "address": _my_address()}
+        report: dict[str, Any] = {"result": result, "address": _my_address()}
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
         report = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
