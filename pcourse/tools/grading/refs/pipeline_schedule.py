@@ -357,12 +357,12 @@ def pipe_deadlock_problem(got: dict) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=64)
 def _grad(t: torch.Tensor) -> torch.Tensor:
     assert t.grad is not None  # every parameter of the chain takes part in the loss
     return t.grad.clone()
 
 
+@functools.lru_cache(maxsize=64)
 def one_process_pipe(p: int, m: int, case: StageCase | None = None) -> dict:
     """One process, the whole chain of p stages, on the whole batch of m micro-batches, in
     float64 of the case's rounded numbers.
