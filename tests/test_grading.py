@@ -258,6 +258,7 @@ def test_exercise_hides_the_solution_and_shows_no_outputs(name):
         if "check" in exe.metadata.get("tags", []):  # the solution keeps what checks print
             assert re.fullmatch(r"check \d+/\d+ .*: PASS\n", sol.outputs[0]["text"])
     assert sum("check" in c.metadata.get("tags", []) for c in exercise.cells) >= 3
+    submission.compare(solution, exercise)  # the solution grades as a learner's notebook
 
 
 def test_markers_must_pair_up():
