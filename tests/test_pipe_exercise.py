@@ -144,6 +144,17 @@ def solution_loop(*swaps: tuple[str, str]):
     return namespace["run_stage"]
 
 
+def on_threads(stage_main, p: int, errors: list) -> None:
+    """Run ``stage_main(rank)`` for every stage on a thread of its own, each joined with a
+    deadline; what any raised fails the test."""
+    threads = [threading.Thread(target=stage_main, args=(r,)) for r in range(p)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+
+
 def threaded(run_stage, p: int, m: int) -> list[dict]:
     """Every stage's result with its m, as pipe_stage_problem hands it on; stages on threads."""
     mailbox, out, errors = Mailbox(), [None] * p, []
@@ -158,12 +169,7 @@ def threaded(run_stage, p: int, m: int) -> list[dict]:
         except Exception as exc:  # noqa: BLE001 - reported below, for the test to fail
             errors.append(exc)
 
-    threads = [threading.Thread(target=stage_main, args=(r,)) for r in range(p)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not errors, errors
+    on_threads(stage_main, p, errors)
     return out
 
 
@@ -235,12 +241,7 @@ def threaded_case(run_stage, p: int, case) -> list[dict]:
         except Exception as exc:  # noqa: BLE001 - reported below, for the test to fail
             errors.append(exc)
 
-    threads = [threading.Thread(target=stage_main, args=(r,)) for r in range(p)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not errors, errors
+    on_threads(stage_main, p, errors)
     return out
 
 
