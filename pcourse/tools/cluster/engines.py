@@ -69,6 +69,9 @@ _FOLDER = re.compile(r"^pcourse-cluster-(\d+)-")  # pcourse-cluster-<owner pid>-
 
 # Run on every engine once it is up: makes interrupts final, and puts rank, size,
 # local_rank and device in the engine namespace, so %%px cells can use them directly.
+TEARDOWN_GRACE = 0.25  # seconds between SIGTERM and SIGKILL when a cluster stops
+HEARTBEAT_MS = 1000  # the hub's heartbeat period (ipyparallel's default: 3000)
+
 _ENGINE_INIT = """
 from pcourse.tools.cluster.interrupts import watch_interrupts as _pcourse_watch
 _pcourse_watch()
@@ -243,6 +246,12 @@ def _ipp_cluster(engines: str, n: int, folder: Path, everywhere: bool) -> ipp.Cl
         profile_dir=str(folder),
         cluster_id="pcourse",
         controller_ip="*" if everywhere else "127.0.0.1",
+        # An engine counts as registered at the hub's first heartbeat after it asks:
+        # ipyparallel's 3 s period made every start wait about two of them. A beat a
+        # second, and 30 missed in a row (ipyparallel's 30 s) before an engine is
+        # dropped, so a rank busy on a loaded machine is not lost.
+        controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}",
+                         f"--HeartMonitor.max_heartmonitor_misses={30_000 // HEARTBEAT_MS}"],
         log_level=logging.WARNING,
         shutdown_atexit=False,  # ours (stop_cluster) is bounded and leaves nothing behind
     )
@@ -390,7 +399,9 @@ def _teardown(cluster: ipp.Cluster, client: ipp.Client | None, folder: Path,
     cluster.log.setLevel(logging.ERROR)
     if client is not None:
         client.close()
-    kill_marked(str(folder))
+    # The engines leave at SIGTERM; mpiexec's forker and ipyparallel's nannies notice
+    # only on their next poll (a second or two) and hold nothing we keep: a short grace.
+    kill_marked(str(folder), grace=TEARDOWN_GRACE)
     try:
         cluster.stop_cluster_sync()  # ipyparallel's bookkeeping: its processes are gone
     except Exception:  # noqa: BLE001 - already stopped; nothing left to do
