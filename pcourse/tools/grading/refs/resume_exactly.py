@@ -49,7 +49,9 @@ STEPS, EVERY = 12, 2  # the run's updates, and a checkpoint every EVERY of them
 LOCAL, BATCH = 9, 3  # samples per rank, per batch: 3 batches an epoch, 4 epochs a run
 LR, DECAY, DROP = 0.05, 0.1, 0.25  # AdamW's rate and weight decay; dropout's rate
 TORN_BYTES = 64  # a file stops growing here while a disk is "full": less than any tensor
-TRUSTED_TIMEOUT = 60.0  # seconds the trial's own collectives wait (a rank in learner code)
+# Seconds the trial's own collectives wait for a rank (in learner code, or failed): under
+# checks.RUN_TIMEOUT, so that a rank that failed is said, not a trial that never finished.
+TRUSTED_TIMEOUT = 30.0
 
 
 # ---------------------------------------------------------------- the run
@@ -146,16 +148,6 @@ def apply(run: Run, mine: list[torch.Tensor]) -> None:
     run.step += 1
 
 
-def train_step(run: Run, comm: Any) -> None:
-    """One ZeRO-1 step on the ranks: each rank's slices of the gradient exchanged whole,
-    the slice stepped, the slices gathered into every rank's ``params``."""
-    grad = local_gradient(run).numpy().reshape(run.size, -1)
-    got = np.empty_like(grad)
-    comm.Alltoall(grad, got)
-    apply(run, [torch.from_numpy(row) for row in got])
-    comm.Allgather(run.shard.numpy(), run.params.numpy())
-
-
 def snapshot(run: Run) -> dict:
     """Everything the next step reads, as plain data (what a trial sends back)."""
     stepped = run.opt.param_groups[0]["params"][0]
@@ -236,13 +228,17 @@ def resume_trial(save: Callable, load: Callable, which: int,
     mine = CountingComm(comm)
     folder = tempfile.mkdtemp(prefix="pcourse-resume-")
     out: dict = {"loads": [], "states": []}
+    warm = torch.zeros(1)  # a process's first AdamW step imports torch's compiler (seconds):
+    warm.grad = torch.zeros(1)  # paid here, before any rank waits for another
+    torch.optim.AdamW([warm], foreach=False).step()
     try:
         for job in range(len(deaths) + 1):
             job_run = Run(case, comm.rank, comm.size)  # a new job: nothing kept of the last
             out["loads"].append(_together(trusted, _load, load, folder, job_run, mine))
-            out["states"].append(snapshot(job_run))
-            if not _in_step(trusted, job_run):
-                out["steps"] = job_run.steps  # type: ignore[attr-defined] # _in_step's
+            out["states"].append(_together(trusted, snapshot, job_run))
+            steps = _steps(trusted, job_run)
+            if len(set(steps)) > 1:
+                out["steps"] = steps
                 return out  # ranks at different steps would wait for each other
             die_at, torn_rank = deaths[job] if job < len(deaths) else (None, None)
             _train(job_run, trusted, save, folder, die_at, torn_rank)
@@ -254,13 +250,37 @@ def resume_trial(save: Callable, load: Callable, which: int,
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _step(run: Run, trusted: Any) -> None:
+    """One ZeRO-1 step on the ranks: each rank's slices of the gradient exchanged whole
+    (``Alltoall``), the slice stepped, the slices gathered into every rank's ``params``.
+    What may fail on one rank (the run as ``load`` left it) is agreed before each exchange."""
+    grad = _together(trusted, _local, run)
+    got = np.empty_like(grad)
+    trusted.Alltoall(grad, got)
+    _together(trusted, apply, run, [torch.from_numpy(row) for row in got])
+    trusted.Allgather(run.shard.numpy(), run.params.numpy())
+
+
+def _local(run: Run) -> np.ndarray:
+    """This rank's gradient, by slices, once the run's tensors are what the exchange needs."""
+    per = -(-run.case.n() // run.size)
+    for name, t, n in (("run.params", run.params, per * run.size), ("run.shard", run.shard, per)):
+        if not (isinstance(t, torch.Tensor) and t.shape == (n,) and t.dtype == run.case.dtype
+                and t.is_contiguous()):
+            what = (f"a {str(t.dtype).removeprefix('torch.')} tensor of shape {tuple(t.shape)}"
+                    if isinstance(t, torch.Tensor) else type(t).__name__)
+            raise ValueError(f"after load, {name} is {what}; the run's is a contiguous "
+                             f"{str(run.case.dtype).removeprefix('torch.')} tensor of ({n},)")
+    return local_gradient(run).numpy().reshape(run.size, -1)
+
+
 def _train(run: Run, trusted: Any, save: Callable, folder: str, die_at: int | None,
            torn_rank: int | None) -> None:
     """Train to :data:`STEPS`, saving every :data:`EVERY` steps, or die as said."""
     while run.step < STEPS:
         if run.step + 1 == die_at and torn_rank is None:
             return  # killed during this step: nothing of it reaches the disk
-        train_step(run, trusted)
+        _step(run, trusted)
         if run.step == die_at:  # torn_rank's disk fills while it saves this step
             if trusted.rank == torn_rank:
                 full_disk(save, folder, run)  # it fails (or not): this job ends either way
@@ -272,13 +292,12 @@ def _train(run: Run, trusted: Any, save: Callable, folder: str, die_at: int | No
             _together(trusted, save, folder, run)
 
 
-def _in_step(trusted: Any, run: Run) -> bool:
-    """Are the ranks' runs at one step (after ``load``), so that they can train together?"""
+def _steps(trusted: Any, run: Run) -> list[int]:
+    """Every rank's ``run.step`` after ``load``: they train together only if all agree."""
     steps = np.empty(run.size, dtype=np.int64)
     mine = run.step if isinstance(run.step, int) else -1  # the learner's to set: any value
     trusted.Allgather(np.array([mine], dtype=np.int64), steps)
-    run.steps = steps.tolist()  # type: ignore[attr-defined] # said in the check, if they differ
-    return bool((steps == steps[0]).all())
+    return steps.tolist()
 
 
 def _load(load: Callable, folder: str, run: Run, comm: CountingComm) -> Any:
@@ -295,7 +314,7 @@ _runs: dict[tuple[Case, int], list[list[dict]]] = {}
 
 def uninterrupted(case: Case, size: int) -> list[list[dict]]:
     """Every rank's :func:`snapshot` after each step 0..STEPS of the run never interrupted,
-    simulated in this process: the same arithmetic as :func:`train_step`, the slices of
+    simulated in this process: the same arithmetic as :func:`_step`, the slices of
     every rank's gradient summed in rank order."""
     if (case, size) not in _runs:
         ranks = [Run(case, r, size) for r in range(size)]
