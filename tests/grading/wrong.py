@@ -323,6 +323,24 @@ def predict(region: int, old: str, new: str) -> list:
     return [RIGHT] * region + [code.replace(old, new)] + [RIGHT] * (4 - region)
 
 
+def resume(save: tuple = (), load: tuple = ()) -> list:
+    """Exercise 12's two regions, the solution's, with each ``(old, new)`` of ``save`` made in
+    its save and of ``load`` in its load (read from the solution: ``old`` must be in it once)."""
+    from pathlib import Path
+
+    from pcourse.tools.grading.exercises import solution_regions
+
+    nb = nbformat.read(Path(__file__).resolve().parents[2] / "solutions"
+                       / "12_resume_exactly.ipynb", as_version=4)
+    codes = []
+    for code, swaps in zip(solution_regions(nb), (save, load), strict=True):
+        for old, new in swaps:
+            assert code.count(old) == 1, old
+            code = code.replace(old, new)
+        codes.append(code if swaps else RIGHT)
+    return codes
+
+
 PIPE_GPIPE = """
     return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]"""
 
@@ -1158,6 +1176,47 @@ WRONG: dict[str, dict[str, Wrong]] = {
             4, "k = min(p - rank, m)", "k = m"), "min(p - rank, m) micro-batches in flight"),
         "the pipeline's bubble forgotten": Wrong("point", predict(
             4, "(m - 1) * max(stage) + sum(stage)", "m * max(stage)"), "the bubble"),
+    },
+    "12_resume_exactly": {
+        "the generator not restored": Wrong("point", resume(load=[
+            ('run.gen.set_state(state["generator"])\n', "")]), "run.gen's state"),
+        "the sampler restarting its epoch (the batch lost)": Wrong("point", resume(load=[
+            ('run.sampler.epoch, run.sampler.batch = state["epoch"], state["batch"]',
+             'run.sampler.epoch = state["epoch"]')]), "run.sampler.batch"),
+        "the optimizer's step count lost (the moments kept)": Wrong("point", resume(load=[
+            ('run.opt.load_state_dict(state["optimizer"])',
+             'saved = state["optimizer"]["state"][0]\nrun.opt.state[run.shard] = {'
+             '"step": torch.tensor(0.0), "exp_avg": saved["exp_avg"], '
+             '"exp_avg_sq": saved["exp_avg_sq"]}')]), "the optimizer's step count"),
+        "written in place, not under a temporary name and renamed": Wrong("point", resume(save=[
+            ("torch.save(state, partial)", "torch.save(state, path)"),
+            ("fd = os.open(partial, os.O_RDONLY)", "fd = os.open(path, os.O_RDONLY)"),
+            ("os.replace(partial, path)  # atomic: the name holds the old file or the whole new "
+             "one", "")]), "a checkpoint is complete, or ignored"),
+        "only rank 0's shard saved": Wrong("point", resume(save=[
+            ('state = {"step"', 'if run.rank != 0:\n    return\nstate = {"step"')]),
+            "a save that returns has saved"),
+        "each rank resumes from its own newest checkpoint": Wrong("point", resume(load=[
+            ("common = mine.intersection(*comm.allgather(sorted(mine)))", "common = mine")]),
+            "resumed from different checkpoints"),
+        "one file a rank, replaced by each save: the one before it gone": Wrong(
+            "point", resume(save=[('f"step-{run.step:08d}.pt"', '"step-00000000.pt"')], load=[
+                ('mine = {int(p.name[5:13]) for p in Path(folder).glob("step-*.pt")}',
+                 'only = Path(folder) / "step-00000000.pt"\nmine = {torch.load(only, '
+                 'weights_only=True)["step"]} if only.exists() else set()'),
+                ('Path(folder) / f"step-{step:08d}.pt"', "only")]), "load returned step 0"),
+        "run.shard bound to the loaded tensor, not copied into": Wrong("point", resume(load=[
+            ('with torch.no_grad():\n    run.shard.copy_(state["shard"])',
+             'run.shard = state["shard"]')]), "run.opt steps run.shard itself"),
+        "the other ranks' slices not gathered into run.params": Wrong("point", resume(load=[
+            ("comm.Allgather(run.shard.numpy(), run.params.numpy())", "")]), "run.params"),
+        "the losses not restored": Wrong("point", resume(load=[
+            ('run.losses[:] = state["losses"]\n', "")]), "run.losses"),
+        "the newest step agreed with one neighbour only (right at 2 ranks)": Wrong(
+            "size", resume(load=[("common = mine.intersection(*comm.allgather(sorted(mine)))",
+                                  "right = comm.sendrecv(sorted(mine), (comm.rank - 1) % "
+                                  "comm.size, source=(comm.rank + 1) % comm.size)\n"
+                                  "common = mine.intersection(right)")]), "at 3 ranks"),
     },
 }
 

@@ -13,7 +13,7 @@ Modules: :mod:`.common`, :mod:`.partitioner` (01), :mod:`.average_gradients` (02
 (05), :mod:`.bucketed_allreduce` (06), :mod:`.parameter_averaging` (07),
 :mod:`.sharded_optimizer` (08), :mod:`.tensor_parallel` (09, its cases and f and g in
 :mod:`.conjugates`), :mod:`.pipeline_schedule` (10, its orders in :mod:`.orders`),
-:mod:`.predict_memory_and_time` (11).
+:mod:`.predict_memory_and_time` (11), :mod:`.resume_exactly` (12).
 """
 
 from __future__ import annotations
