@@ -1,12 +1,15 @@
-"""Lesson 14's run: Franke's net trained step by step, checkpointed, interrupted, resumed.
+"""Lesson 14's run: Franke's net (or the VAE) trained step by step, checkpointed,
+interrupted, resumed.
 
 :func:`run` trains lesson 05's workload on a backend for a number of steps, with gradients
-averaged across ranks (``"ddp"``, lesson 05) or the optimizer's state sharded (``"zero1"``,
-lesson 10's ShardedOptimizer), and with :mod:`pcourse.resume`'s checkpoints every
-``every`` steps. Each step draws from all three generators, as real loops do (dropout,
-augmentation, a library's numpy): Python's decides whether the batch's inputs are jittered,
-numpy's how much, torch's the noise. So a resume that forgets a generator, the data's
-position or the optimizer's state goes elsewhere, and :func:`compare` says by how much.
+averaged across ranks (``"ddp"``, lesson 05), the optimizer's state sharded (``"zero1"``,
+lesson 10's ShardedOptimizer) or the parameters too (``"fsdp"``, lesson 10's), and with
+:mod:`pcourse.resume`'s checkpoints every ``every`` steps. Each step draws from all three
+generators, as real loops do (dropout, augmentation, a library's numpy): Python's decides
+whether the batch's inputs are jittered, numpy's how much, torch's the noise. So a resume
+that forgets a generator, the data's position or the optimizer's state goes elsewhere, and
+:func:`compare` says by how much. The VAE draws its noise from a table of the epoch
+instead (lesson 06), so it needs no generator state.
 """
 
 from __future__ import annotations
@@ -34,15 +37,22 @@ from pcourse.backends.base import Backend
 from pcourse.data_parallel import average_gradients_flat
 from pcourse.loop import local_batches
 from pcourse.notices import failing_loudly
-from pcourse.sharding import ShardedOptimizer
+from pcourse.sharding import FullyShardedDataParallel, ShardedOptimizer
+from pcourse.workloads import vae
+from pcourse.workloads.config import MNISTConfig
 from pcourse.workloads.franke import FrankeConfig, make_data, make_model
 
 if TYPE_CHECKING:
     from pcourse.backends.torch_dist import GlooBackend
 
-STRATEGIES = ("ddp", "zero1")
+STRATEGIES = ("ddp", "zero1")  # what the lesson runs; "fsdp" too (lesson 10's), in the tests
+BUILDS = (*STRATEGIES, "fsdp")
 # 480 points, a global batch of 48: 10 steps an epoch, equal shares at 2, 3 and 4 ranks.
 CONFIG = FrankeConfig.quick(n_points=480, batch_size=48)
+# The VAE (lesson 06) on 480 MNIST images, the same schedule: its noise is no generator's
+# draw but a table of the epoch, looked up by sample (pcourse.workloads.vae)
+VAE_CONFIG = MNISTConfig.quick(limit=480, batch_size=48, n_eval=10)
+Config = FrankeConfig | MNISTConfig
 
 
 def seed_generators(seed: int, rank: int) -> None:
@@ -52,23 +62,27 @@ def seed_generators(seed: int, rank: int) -> None:
     random.seed(seed + rank)
 
 
-def build(backend: Backend, strategy: str, config: FrankeConfig = CONFIG
+def build(backend: Backend, strategy: str, config: Config = CONFIG
           ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
-    """A fresh model, optimizer and schedule, as a new process builds them."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    model = make_model(config.hidden, config.seed)
+    """A fresh model, optimizer and schedule, as a new process builds them (Franke's net,
+    or the VAE for an MNISTConfig)."""
+    if strategy not in BUILDS:
+        raise ValueError(f"strategy must be one of {BUILDS}, got {strategy!r}")
+    model: nn.Module = vae.make_model(config.latent, config.seed) \
+        if isinstance(config, MNISTConfig) else make_model(config.hidden, config.seed)
     lr, decay = config.lr, config.weight_decay
+    if strategy == "fsdp":  # each Linear a unit: a rank holds a slice of its weights
+        model = FullyShardedDataParallel(model, backend, shard=nn.Linear)
     opt: torch.optim.Optimizer = (
-        torch.optim.Adam(model.parameters(), lr=lr, weight_decay=decay) if strategy == "ddp"
-        else ShardedOptimizer(model.parameters(), torch.optim.Adam, backend=backend, lr=lr,
-                              weight_decay=decay))
+        ShardedOptimizer(model.parameters(), torch.optim.Adam, backend=backend, lr=lr,
+                         weight_decay=decay) if strategy == "zero1"
+        else torch.optim.Adam(model.parameters(), lr=lr, weight_decay=decay))
     return model, opt, torch.optim.lr_scheduler.ExponentialLR(opt, gamma=config.gamma)
 
 
 def run(backend: Backend, steps: int, *, strategy: str = "ddp", root: str | None = None,
         every: int = 0, stop_at: int | None = None, resume_from: str | None = None,
-        forget: Iterable[str] = (), check: bool = True, config: FrankeConfig = CONFIG,
+        forget: Iterable[str] = (), check: bool = True, config: Config = CONFIG,
         pause: float = 0.0, fail_at: tuple[int, int] | None = None, reshard: bool = False,
         jitter: bool = True, kill_at: tuple[int, int, str] | None = None) -> dict[str, Any]:
     """Train to ``steps`` (or until ``stop_at``: the run dies there), saving under ``root``
@@ -94,11 +108,11 @@ def run(backend: Backend, steps: int, *, strategy: str = "ddp", root: str | None
         progress, said = resume.load(resume_from, backend, model, opt, sched,
                                      forget=forget, check=check, reshard=reshard)
         load_s = time.perf_counter() - t0
-    x, y = make_data(config.n_points, config.seed)
+    n, loss_sum = _batch_loss(config, jitter)
     local = config.batch_size // backend.size
     save_s: list[float] = []
     while progress.step < steps and progress.step != stop_at:
-        batches = local_batches(config.n_points, backend.rank, backend.size, local,
+        batches = local_batches(n, backend.rank, backend.size, local,
                                 progress.seed, progress.epoch)
         for idx in batches[progress.batch:]:
             dies = kill_at[2] if kill_at and kill_at[:2] == (backend.rank, progress.step) \
@@ -109,14 +123,13 @@ def run(backend: Backend, steps: int, *, strategy: str = "ddp", root: str | None
                 raise RuntimeError(f"rank {backend.rank} fails on purpose before step "
                                    f"{progress.step}")
             time.sleep(pause)
-            xb = x[idx]
-            if jitter and random.random() < 0.75:  # Python's generator
-                xb = xb + float(np.random.uniform(0, 0.02)) * torch.randn_like(xb)  # numpy, torch
             opt.zero_grad()
-            loss = nn.functional.mse_loss(model(xb), y[idx], reduction="sum")
+            loss = loss_sum(model, idx, progress.epoch)
             (loss / len(idx)).backward()
             if strategy == "ddp":
                 average_gradients_flat(model, backend, check=progress.step == 0)
+            elif isinstance(model, FullyShardedDataParallel):  # the replicated biases
+                model.finish()
             opt.step()
             total = torch.tensor([loss.item(), len(idx)], dtype=torch.float64)
             if dies == "collective":  # in it: the others' allreduce has this rank's start
@@ -145,6 +158,24 @@ def run(backend: Backend, steps: int, *, strategy: str = "ddp", root: str | None
 
 
 KILLED_IN = ("compute", "collective", "save")
+
+
+def _batch_loss(config: Config, jitter: bool) -> tuple[int, Any]:
+    """The sample count, and a batch's summed loss ``(model, indices, epoch)``. Franke's
+    draws from all three generators (``jitter``); the VAE's noise is its workload's table
+    of the epoch, the same on every rank."""
+    if isinstance(config, MNISTConfig):
+        workload = vae.make_workload(config)
+        return workload.n_train, workload.loss_sum
+    x, y = make_data(config.n_points, config.seed)
+
+    def loss_sum(model: nn.Module, idx: torch.Tensor, epoch: int) -> torch.Tensor:
+        xb = x[idx]
+        if jitter and random.random() < 0.75:  # Python's generator
+            xb = xb + float(np.random.uniform(0, 0.02)) * torch.randn_like(xb)  # numpy, torch
+        return nn.functional.mse_loss(model(xb), y[idx], reduction="sum")
+
+    return config.n_points, loss_sum
 
 
 def _die() -> None:
@@ -201,18 +232,19 @@ CONTROLS: dict[str, dict[str, Any]] = {"no generator state": {"forget": ["rng"]}
 
 
 def exactness(backend: Backend, root: str, strategy: str, steps: int = 24, every: int = 5,
-              dies_at: int = 18) -> dict[str, Any]:
+              dies_at: int = 18, config: Config = CONFIG) -> dict[str, Any]:
     """Collective: the run never interrupted; the run dying at ``dies_at`` after saving
     every ``every`` steps, its last checkpoint torn (it died saving it), resumed; and the
     four resumes that each lose one thing. This rank's comparisons."""
-    reference = run(backend, steps, strategy=strategy)
-    run(backend, steps, strategy=strategy, root=root, every=every, stop_at=dies_at)
+    reference = run(backend, steps, strategy=strategy, config=config)
+    run(backend, steps, strategy=strategy, root=root, every=every, stop_at=dies_at,
+        config=config)
     barrier(backend)
     tear(root, backend.rank, backend.size)
     barrier(backend)
-    resumed = run(backend, steps, strategy=strategy, resume_from=root)
-    wrong = {name: run(backend, steps, strategy=strategy, resume_from=root, **how)
-             for name, how in CONTROLS.items()}
+    resumed = run(backend, steps, strategy=strategy, resume_from=root, config=config)
+    wrong = {name: run(backend, steps, strategy=strategy, resume_from=root, config=config,
+                       **how) for name, how in CONTROLS.items()}
     return {"resumed": compare(reference, resumed), "said": resumed["said"],
             "load_s": resumed["load_s"],
             "controls": {name: compare(reference, out) for name, out in wrong.items()},
