@@ -1,11 +1,13 @@
 """Checkpoints that resume exactly (lesson 14, :mod:`pcourse.resume`).
 
 On MPI (tests/mpi/check_resume.py): a run interrupted and resumed equals the run never
-interrupted bit for bit, for DDP-style averaging, ZeRO-1 and FSDP, and the VAE, at 3 ranks (2 in
-the slow set, and Gloo); the four resumes that each lose one thing do not (the VAE's noise
-is its epoch's table, so it needs no generator state); bad checkpoints are
-refused on every rank alike. Here, in one process: the generators' round trip, what is
-skipped and what is refused, and that nothing is unpickled.
+interrupted bit for bit, for DDP-style averaging and ZeRO-1 at 3 ranks (2 in the slow set,
+and Gloo), and in the slow set FSDP and the VAE at 2 and 3; the four resumes that each lose
+one thing do not (but the VAE's noise is its epoch's table: it needs no generator state);
+bad checkpoints are refused on every rank alike. Resharding 4 -> 2 and 3 -> 2
+(check_reshard.py); a killed rank named from the launcher's reports, a raising one from
+its own notice (check_notices.py). Here, in one process: the generators' round trip, what
+is skipped and what is refused, and that nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -32,8 +34,16 @@ def test_a_resumed_run_is_the_uninterrupted_one_and_each_lost_part_breaks_it(mpi
         for control in ("no generator state", "no data position", "no optimizer state",
                         "a torn write accepted"):
             assert f"{strategy} {control}: params differ by up to" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p", [2, 3])
+def test_the_vae_resumes_exactly_and_needs_no_generator_state(mpi_run, p):
+    out = mpi_run(p, "check_resume.py", "mpi", "vae", expect=f"resume OK on {p} ranks",
+                  timeout=300)
     for control in ("no data position", "no optimizer state", "a torn write accepted"):
         assert f"vae {control}: params differ by up to" in out  # its noise: the epoch's table
+    assert "vae no generator state" not in out  # checked exact in check_resume.py
 
 
 @pytest.mark.slow
