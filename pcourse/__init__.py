@@ -38,6 +38,9 @@ the two together):
                        ``compare``, ``scale`` (13)
     ``resume``         a checkpoint every rank writes, atomically, that resumes a run
                        exactly (14)
+    ``reshard``        a checkpoint resumed at another number of ranks: ZeRO-1's
+                       slices re-cut (14)
+    ``notices``        a rank that fails tells the others why, so they can name it (14)
 
 Under both, the runtime layer (``runtime/``): ranks and devices (``ranks``), waits with
 deadlines (``waits``), and the private names of torch, ipyparallel and ipykernel the

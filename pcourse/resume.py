@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from pcourse.backends.base import Backend
+from pcourse.reshard import recut
 from pcourse.utils.io import atomic_write
 
 __all__ = ["PARTS", "CheckpointError", "Progress", "latest", "load", "rng_state", "save",
@@ -199,10 +200,10 @@ def latest(root: str | os.PathLike[str]) -> tuple[Path, list[str]]:
                           + (f" ({'; '.join(skipped)})" if skipped else " (the folder is empty)"))
 
 
-def _read(folder: Path, rank: int, size: int, model: nn.Module,
-          optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """This rank's shard of ``folder``, checked against the manifest; ValueError naming
-    the file where anything disagrees. Reads only: nothing is applied here."""
+def _manifest(folder: Path, size: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+              reshard: bool) -> dict[str, Any]:
+    """``folder``'s manifest, checked against this job; ValueError naming the file where
+    anything disagrees."""
     path = folder / MANIFEST
     try:
         manifest = json.loads(path.read_text())
@@ -210,9 +211,10 @@ def _read(folder: Path, rank: int, size: int, model: nn.Module,
         raise ValueError(f"{path}: not a manifest this course wrote ({exc})") from None
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT}")
-    if manifest["world_size"] != size:
+    if manifest["world_size"] != size and not reshard:
         raise ValueError(f"{path}: written by {manifest['world_size']} ranks, this job has "
-                         f"{size}; resuming at another world size needs resharding")
+                         f"{size}; resuming at another world size needs resharding "
+                         "(load(..., reshard=True))")
     theirs, ours = manifest["model"], _signature(model)
     if theirs != ours:
         diff = sorted(set(theirs) ^ set(ours)) or [k for k in ours if theirs[k] != ours[k]]
@@ -221,6 +223,12 @@ def _read(folder: Path, rank: int, size: int, model: nn.Module,
     if manifest["optimizer"] != type(optimizer).__name__:
         raise ValueError(f"{path}: saved from a {manifest['optimizer']}, "
                          f"not a {type(optimizer).__name__}")
+    return manifest
+
+
+def _shard(folder: Path, rank: int, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Rank ``rank``'s file of ``folder``, checked against the manifest (its length and
+    hash) and read as data only; ValueError naming the file."""
     name = f"rank{rank:05d}.pt"
     want, shard = manifest["files"][name], folder / name
     try:
@@ -239,16 +247,33 @@ def _read(folder: Path, rank: int, size: int, model: nn.Module,
                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
 
 
+def _read(folder: Path, rank: int, size: int, model: nn.Module,
+          optimizer: torch.optim.Optimizer, reshard: bool = False
+          ) -> tuple[dict[str, Any], int]:
+    """This rank's shard of ``folder``, checked against the manifest; ValueError naming
+    the file where anything disagrees, and the number of ranks that wrote it. Reads only:
+    nothing is applied here. Written by another number of ranks (``reshard``): every old
+    rank's file, re-cut for this rank (:func:`pcourse.reshard.recut`)."""
+    manifest = _manifest(folder, size, model, optimizer, reshard)
+    if manifest["world_size"] == size:
+        return _shard(folder, rank, manifest), size
+    old = [_shard(folder, r, manifest) for r in range(manifest["world_size"])]
+    return recut(old, rank, size, optimizer), len(old)
+
+
 def load(root: str | os.PathLike[str], backend: Backend, model: nn.Module,
          optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
-         forget: Iterable[str] = (), check: bool = True) -> tuple[Progress, str]:
+         forget: Iterable[str] = (), check: bool = True,
+         reshard: bool = False) -> tuple[Progress, str]:
     """Collective: restore the newest complete checkpoint under ``root``; returns the
     run's :class:`Progress` and a line saying which checkpoint, and what was skipped.
 
     ``forget`` (some of :data:`PARTS`) leaves those parts as they are (the position:
     the run starts its data over, at epoch 0), to show what each is for. ``check=False``
     is the loader a torn write fools: the newest folder, manifest or not, each rank's
-    file unchecked, the position read from rank 0's file.
+    file unchecked, the position read from rank 0's file. ``reshard=True`` resumes a
+    checkpoint written by another number of ranks (:mod:`pcourse.reshard`); without it,
+    that is an error naming the manifest.
     """
     forget = set(forget)
     if forget - set(PARTS):
@@ -258,8 +283,10 @@ def load(root: str | os.PathLike[str], backend: Backend, model: nn.Module,
     try:
         if check:
             folder, skipped = latest(root)
-            shard = _read(folder, backend.rank, backend.size, model, optimizer)
-            said = f"resumed from {folder.name}" + "".join(f"; skipped {s}" for s in skipped)
+            shard, wrote = _read(folder, backend.rank, backend.size, model, optimizer, reshard)
+            said = f"resumed from {folder.name}" + (
+                f" (written by {wrote} ranks, re-cut for {backend.size})"
+                if wrote != backend.size else "") + "".join(f"; skipped {s}" for s in skipped)
         else:
             folder = _folders(root)[0]
             shard = torch.load(folder / f"rank{backend.rank:05d}.pt", weights_only=True)
@@ -279,7 +306,7 @@ def load(root: str | os.PathLike[str], backend: Backend, model: nn.Module,
             group.update(saved)
         if scheduler is not None and shard["scheduler"] is not None:
             scheduler.load_state_dict(shard["scheduler"])
-    if "rng" not in forget:
+    if "rng" not in forget and shard["rng"] is not None:  # None: a rank new to the job
         set_rng_state(shard["rng"])
     progress = Progress(**shard["progress"])
     if "position" in forget:

@@ -1,10 +1,13 @@
 """Checkpoints that resume exactly (lesson 14, :mod:`pcourse.resume`).
 
 On MPI (tests/mpi/check_resume.py): a run interrupted and resumed equals the run never
-interrupted bit for bit, for DDP-style averaging and ZeRO-1, at 3 ranks (2 in the slow
-set, and Gloo); the four resumes that each lose one thing do not; bad checkpoints are
-refused on every rank alike. Here, in one process: the generators' round trip, what is
-skipped and what is refused, and that nothing is unpickled.
+interrupted bit for bit, for DDP-style averaging and ZeRO-1 at 3 ranks (2 in the slow set,
+and Gloo), and in the slow set FSDP and the VAE at 2 and 3; the four resumes that each lose
+one thing do not (but the VAE's noise is its epoch's table: it needs no generator state);
+bad checkpoints are refused on every rank alike. Resharding 4 -> 2 and 3 -> 2
+(check_reshard.py); a killed rank named from the launcher's reports, a raising one from
+its own notice (check_notices.py). Here, in one process: the generators' round trip, what
+is skipped and what is refused, and that nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -31,6 +34,26 @@ def test_a_resumed_run_is_the_uninterrupted_one_and_each_lost_part_breaks_it(mpi
         for control in ("no generator state", "no data position", "no optimizer state",
                         "a torn write accepted"):
             assert f"{strategy} {control}: params differ by up to" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p", [2, 3])
+def test_the_vae_resumes_exactly_and_needs_no_generator_state(mpi_run, p):
+    out = mpi_run(p, "check_resume.py", "mpi", "vae", expect=f"resume OK on {p} ranks",
+                  timeout=300)
+    for control in ("no data position", "no optimizer state", "a torn write accepted"):
+        assert f"vae {control}: params differ by up to" in out  # its noise: the epoch's table
+    assert "vae no generator state" not in out  # checked exact in check_resume.py
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p", [2, 3])
+def test_fsdp_resumes_exactly_and_each_lost_part_breaks_it(mpi_run, p):
+    out = mpi_run(p, "check_resume.py", "mpi", "fsdp", expect=f"resume OK on {p} ranks",
+                  timeout=300)
+    for control in ("no generator state", "no data position", "no optimizer state",
+                    "a torn write accepted"):
+        assert f"fsdp {control}: params differ by up to" in out
 
 
 @pytest.mark.slow
@@ -137,3 +160,78 @@ def test_forget_takes_only_the_parts(tmp_path, one_rank):
     backend, model, opt, sched = _saved(tmp_path, one_rank, (4,))
     with pytest.raises(ValueError, match="forget takes some of"):
         resume.load(tmp_path, backend, model, opt, forget=["weights"])
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_4_or_3_ranks_resumes_at_2_when_asked(mpi_run):
+    out = mpi_run(4, "check_reshard.py", expect="reshard OK", timeout=300)
+    for case in ("ddp 4 -> 2", "zero1 4 -> 2", "ddp 3 -> 2", "zero1 3 -> 2"):
+        assert f"{case}: first loss differs by" in out
+
+
+def test_the_rank_exit_wrapper_reads_the_ranks_variables():
+    from pcourse.runtime.ranks import MPI_RANK_VARS
+    from pcourse.tools.cluster import rank_exit
+
+    assert rank_exit._RANK_VARS == MPI_RANK_VARS  # it cannot import them: standard library only
+
+
+def test_the_rank_that_died_first_is_named_from_the_launchers_reports():
+    """Rank 2 of 3 kills itself; the others end a moment later by themselves. The line
+    names rank 2 and SIGKILL, from the exits the launcher's ranks reported (not rank 0, not
+    the last to exit, not whoever exited with an error)."""
+    import os
+    import subprocess
+    import sys
+
+    from pcourse.tools.cluster import launch
+    from pcourse.tools.cluster.failures import who_died
+
+    launcher = launch.mpi_launcher()
+    if not launcher.wrap:
+        pytest.skip("only MPICH's single-machine launcher runs each rank under rank_exit")
+    code = ("import os, signal, time\n"
+            "if os.environ['PMI_RANK'] == '2': os.kill(os.getpid(), signal.SIGKILL)\n"
+            "time.sleep(1)\n"
+            "raise SystemExit(3 if os.environ['PMI_RANK'] == '0' else 0)")
+    done = subprocess.run([*launcher.command, "-n", "3", *launcher.wrap, sys.executable,
+                           "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **launcher.env})
+    said = who_died(done.stdout)
+    assert said.startswith("rank 2 ended first (killed by SIGKILL); then ended "), said
+    assert "rank 0 (exit status 3)" in said and "rank 1 (exit status 0)" in said
+    assert who_died("") == ""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("where, rank, step", [
+    ("save", 1, 15),
+    pytest.param("compute", 2, 12, marks=pytest.mark.slow),
+    pytest.param("collective", 1, 7, marks=pytest.mark.slow)])
+def test_a_rank_killed_ends_the_job_and_is_named(tmp_path, where, rank, step):
+    """One of 3 ranks kills itself with SIGKILL (in a checkpoint write, in compute, in a
+    collective): every rank's exit is reported, the first named as the killed rank, from
+    the ranks' own reports; killed in a write, the torn checkpoint is skipped, saying why,
+    and the newest complete one is the one before."""
+    from pcourse.tools.cluster.launch import mpirun
+
+    job = mpirun(3, ["-m", "pcourse.tools.bench.restart", "--kill", str(rank), str(step),
+                     where, "--root", str(tmp_path), "--deadline", "10"],
+                 timeout=120, check=False)
+    assert job.returncode == 137, job.stdout[-3000:]
+    assert job.ended.startswith(f"rank {rank} ended first (killed by SIGKILL); then ended "), \
+        job.ended
+    others = [r for r in range(3) if r != rank]
+    assert all(f"rank {r} (" in job.ended for r in others), job.ended  # every rank ended
+    folder, skipped = resume.latest(tmp_path)
+    if where == "save":
+        assert folder.name == "step-00000010"
+        assert skipped == ["step-00000015: no manifest.json (a write that did not finish)"]
+        assert (tmp_path / "step-00000015" / f"rank{rank:05d}.pt").is_file()  # it died after
+    else:
+        assert folder.name == f"step-{step // 5 * 5:08d}" and not skipped
+
+
+@pytest.mark.parametrize("p", SLOW_P)
+def test_a_rank_that_raises_is_named_by_the_others_and_a_silent_one_is_not(mpi_run, p):
+    mpi_run(p, "check_notices.py", expect=f"notices OK on {p} ranks", timeout=120)

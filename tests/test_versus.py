@@ -16,7 +16,7 @@ def launched(monkeypatch) -> list[tuple[list[str], dict]]:
     """Every command run_in_session is asked to start, with its environment; nothing runs."""
     calls: list[tuple[list[str], dict]] = []
 
-    def fake(cmd, *, timeout, env=None, cwd=None, echo=None, ranks=None):
+    def fake(cmd, *, timeout, env=None, cwd=None, echo=None, ranks=None, exits=None):
         calls.append((list(cmd), dict(env or {})))
         return "torch threads 3\nTraining took: 1.5 sec\n", 0
 

@@ -41,7 +41,15 @@ import ipyparallel as ipp
 from pcourse.runtime import private
 from pcourse.runtime.ranks import RankInfo, gpu_count
 from pcourse.tools.cluster import slurm as slurm_jobs
-from pcourse.tools.cluster.failures import ClusterError, exited, how_it_ended, log_tail, log_text
+from pcourse.tools.cluster.failures import (
+    ClusterError,
+    exited,
+    how_it_ended,
+    log_tail,
+    log_text,
+    rank_exits,
+    who_died,
+)
 from pcourse.tools.cluster.launch import (
     Launcher,
     MPINotFound,
@@ -124,9 +132,27 @@ class MPICluster:
                     f"Restart it: run start_cluster({self.n}) again.") if job else ""
         log = "".join(log_text(x) for x in self.cluster.engines.values())
         stuck = re.search(r"rank \d+ did not stop within [\d.]+ s of the interrupt", log)
-        why = f" ({stuck.group(0)})" if stuck else ""
+        died = who_died(log)
+        why = f" ({stuck.group(0)})" if stuck else f" ({died})" if died else ""
         return (f"The cluster's {what} stopped{why}. Restart it: run "
                 f"start_cluster({self.n}) again.")
+
+
+    def who_died(self, within: float = 10.0) -> str:
+        """Which rank ended first and how, and how the others ended, from the exits the
+        engines' launcher reported (one line; empty if none exited within ``within`` s).
+        Waits until every rank's exit is reported: the launcher ends the rest of the job
+        after the first (MPICH's does), so the line is complete."""
+        from pcourse.runtime.waits import CollectiveTimeout, wait_until
+
+        def log() -> str:
+            return "".join(log_text(x) for x in self.cluster.engines.values())
+
+        try:
+            wait_until(lambda: len(rank_exits(log())) >= self.n, within, "the ranks' exits")
+        except CollectiveTimeout:
+            pass  # say what there is: some ranks may live on
+        return who_died(log())
 
 
 _current: MPICluster | None = None

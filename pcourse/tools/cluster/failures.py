@@ -10,6 +10,7 @@ the error; the interrupt view (:mod:`pcourse.tools.cluster.view`) and Slurm's si
 
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 
@@ -64,3 +65,42 @@ def log_tail(launcher: object, lines: int = 20) -> str:
     """The last ``lines`` lines of a launcher's output, or "(no output)"."""
     tail = log_text(launcher).strip().splitlines()[-lines:]
     return "\n".join(tail) if tail else "(no output)"
+
+
+def rank_exits(text: str) -> list[tuple[int | None, str]]:
+    """Each rank's exit that a launcher's output reports (:mod:`rank_exit`'s lines), in the
+    order they happened: (the rank, or None where the launcher did not say, and how)."""
+    from pcourse.tools.cluster.rank_exit import RANK_EXIT  # the marker's one spelling
+
+    found = []
+    for match in re.finditer(rf"{RANK_EXIT} (\d+)(?: rank=(\d+))?", text):
+        code, rank = int(match.group(1)), match.group(2)
+        found.append((int(rank) if rank is not None else None, _status(code)))
+    return found
+
+
+def _status(code: int) -> str:
+    """A shell-style exit code in words: 128 + N is "killed by" signal N."""
+    if code <= 128:
+        return f"exit status {code}"
+    try:
+        return f"killed by {signal.Signals(code - 128).name}"
+    except ValueError:
+        return f"killed by signal {code - 128}"
+
+
+def who_died(text: str) -> str:
+    """One line naming the rank that ended first and how, then how the others ended (in
+    the order they did); empty while no rank has exited. The first exit is the failure:
+    whatever ends the others (MPICH ends a job's ranks once one of them is killed) comes
+    after it (lesson 14)."""
+    exits = rank_exits(text)
+    if not exits:
+        return ""
+    (rank, how), rest = exits[0], exits[1:]
+    name = f"rank {rank}" if rank is not None else "a rank"
+    line = f"{name} ended first ({how})"
+    if rest:
+        line += "; then ended " + ", ".join(
+            f"rank {r} ({h})" if r is not None else h for r, h in rest)
+    return line

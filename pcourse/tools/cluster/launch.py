@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pcourse.tools.cluster.failures import who_died
 from pcourse.tools.cluster.rank_exit import RANK_EXIT
 from pcourse.tools.cluster.reaping import sweep_mpi_segments
 from pcourse.utils.io import atomic_write
@@ -260,6 +261,15 @@ class MPIJobError(RuntimeError):
     rows: list[dict[str, Any]] = []  # mpirun_rows: what the job reported before it failed
 
 
+class MPIResult(subprocess.CompletedProcess):
+    """:func:`mpirun`'s result: a completed process, and ``ended``: for a job that failed,
+    one line naming the rank that ended first and how, from the exits its ranks reported
+    (:func:`pcourse.tools.cluster.failures.who_died`; empty where the launcher runs its
+    ranks without the wrapper that reports them)."""
+
+    ended: str = ""
+
+
 def mpirun(
     n: int,
     args: Sequence[str],
@@ -271,8 +281,9 @@ def mpirun(
     echo: Callable[[str], object] | None = None,
     hostfile: str | os.PathLike[str] | None = None,
     contain: bool = False,
-) -> subprocess.CompletedProcess[str]:
-    """Run ``python *args`` on n MPI ranks; return its completed process (text output).
+) -> MPIResult:
+    """Run ``python *args`` on n MPI ranks; return its completed process (text output;
+    ``ended`` names the rank that ended first where the job failed).
 
     ``args`` follow the Python interpreter: ``["-m", "pcourse.tools.bench.commbench", ...]`` or
     ``["path/to/script.py", ...]``. ``echo`` gets each line of output as it comes
@@ -301,14 +312,19 @@ def mpirun(
             full_env[LAUNCHER_PID] = str(os.getpid())
         setpriv = shutil.which("setpriv")
         cmd = [*([setpriv, "--pdeathsig", "KILL"] if setpriv else []), *prefix, *cmd]
+    exits: list[str] = []
     out, code = run_in_session(cmd, timeout=timeout, env=full_env, cwd=cwd, echo=echo,
-                               ranks=n if launcher.wrap == _WRITE_TO_KEPT else None)
+                               ranks=n if launcher.wrap == _WRITE_TO_KEPT else None,
+                               exits=exits)
     killed = _SIGNALED.findall(out or "")
     if code == 0 and killed:
         code = 128 + getattr(signal, f"SIG{killed[0].upper()}", signal.SIGKILL)
-    result = subprocess.CompletedProcess(cmd, code, out, "")
+    result = MPIResult(cmd, code, out, "")
+    result.ended = who_died("".join(exits)) if code != 0 else ""
     if check and code != 0:
-        raise MPIJobError(f"`{' '.join(cmd)}` exited with code {code}. Output tail:\n{_tail(out)}")
+        first = f" ({result.ended})" if result.ended else ""
+        raise MPIJobError(f"`{' '.join(cmd)}` exited with code {code}{first}. Output tail:\n"
+                          f"{_tail(out)}")
     return result
 
 
@@ -320,6 +336,7 @@ def run_in_session(
     cwd: str | os.PathLike[str] | None = None,
     echo: Callable[[str], object] | None = None,
     ranks: int | None = None,
+    exits: list[str] | None = None,
 ) -> tuple[str, int]:
     """Run a launcher command in a session of its own; return its output and exit code.
 
@@ -327,7 +344,8 @@ def run_in_session(
     MPIJobError, with the output tail), an error here, or SIGTERM/SIGHUP to this
     process (:func:`ends_with_launcher`). ``echo`` as in :func:`mpirun`. With
     ``ranks``, the job is over once that many RANK_EXIT lines came (the exit code is
-    then the ranks' worst), without waiting for the launcher to notice.
+    then the ranks' worst), without waiting for the launcher to notice; ``exits``, a list,
+    gets those lines, in the order they came.
     """
     sweep_mpi_segments()  # a dead job's segment must not meet this one's ranks
     with ends_with_launcher():
@@ -343,7 +361,7 @@ def run_in_session(
         )
         code: int | None = 1  # until the job says otherwise, it failed
         try:
-            out, code = _collect(proc, timeout, echo, ranks)
+            out, code = _collect(proc, timeout, echo, ranks, exits)
         except subprocess.TimeoutExpired as expired:
             out = expired.output or ""
             raise MPIJobError(
@@ -361,7 +379,8 @@ def run_in_session(
 
 
 def _collect(proc: subprocess.Popen, timeout: float, echo: Callable[[str], object] | None,
-             ranks: int | None = None) -> tuple[str, int | None]:
+             ranks: int | None = None, exits: list[str] | None = None
+             ) -> tuple[str, int | None]:
     """The job's whole output, and the ranks' exit code when ``ranks`` reported one each.
 
     With ``echo``, each line also goes there as it arrives. On the deadline the job
@@ -380,6 +399,8 @@ def _collect(proc: subprocess.Popen, timeout: float, echo: Callable[[str], objec
             said, marker, code = line.partition(RANK_EXIT)
             if marker:
                 codes.append(int(code.split()[0]))
+                if exits is not None:
+                    exits.append(marker + code)
                 if ranks is not None and len(codes) >= ranks:
                     all_exited.set()
                 if not said:

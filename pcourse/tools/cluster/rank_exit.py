@@ -14,6 +14,9 @@ import subprocess
 import sys
 
 RANK_EXIT = "pcourse-rank-exited"  # then the exit code; 128 + N for a rank killed by signal N
+# and, where the launcher said which rank this is, "rank=R": so that whoever reads the
+# launcher's output can name the rank that ended first (lesson 14), not only count exits
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")  # runtime.ranks.MPI_RANK_VARS
 
 
 def main() -> int:
@@ -22,7 +25,8 @@ def main() -> int:
         signal.signal(sig, lambda signum, frame: rank.send_signal(signum))
     code = rank.wait()
     code = 128 - code if code < 0 else code
-    os.write(3, f"{RANK_EXIT} {code}\n".encode())
+    who = next((os.environ[v] for v in _RANK_VARS if v in os.environ), None)
+    os.write(3, f"{RANK_EXIT} {code}{f' rank={who}' if who is not None else ''}\n".encode())
     return code
 
 
