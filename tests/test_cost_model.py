@@ -311,3 +311,20 @@ def test_the_chosen_mesh_keeps_tensor_parallelism_inside_a_node():
     best = scale.choose_mesh(model, scale.A100, 1536, 2304, e)[0]
     assert best["fits"] and best["tp"] <= scale.A100.per_node
     assert math.isclose(scale.ring("allreduce", 1, 1e9, 1e9), 0.0)
+
+
+def test_the_time_bar_needs_a_ranking_the_run_decided():
+    from pcourse.tools.bench.predict import bars
+
+    def rows(repeats):
+        return [{"strategy": s, "ranks": 2, "rank": 0, "time": sorted(r)[1], "time_predicted": p,
+                 "times": r, "peak_error": 0.0}
+                for s, p, r in zip("abc", (1.0, 2.0, 2.5), repeats, strict=True)]
+
+    apart = [[1.0, 1.1, 0.9, 1.05], [2.0, 2.1, 1.9, 2.05], [3.0, 3.1, 2.9, 3.05]]
+    assert bars(rows(apart))["times_met"]
+    one = [[1.0, 1.1, 0.9, 1.05], [2.0, 2.1, 1.9, 3.05], [1.0, 3.1, 2.9, 3.05]]  # a-b only
+    got = bars(rows(one))
+    assert got["tau"] == 1.0 and got["pairs"] == 1 and not got["times_met"]  # 1 < n - 1
+    wrong = bars(rows(apart[::-1]))  # every pair decided, every one the other way round
+    assert wrong["tau"] == -1.0 and not wrong["times_met"]

@@ -416,8 +416,9 @@ def bars(rows: Sequence[dict]) -> dict[str, Any]:
                     [r["times"] for r in configs])
     worst_peak = max(abs(r["peak_error"]) for r in rows)
     return {"worst_peak": worst_peak, "peaks_met": worst_peak <= MEMORY_BAR, **times,
+            "ranked": times["pairs"] >= times["n"] - 1,  # the fewest that can chain n in order
             "times_met": (times["median"] <= MEDIAN_BAR and times["worst"] <= WORST_BAR
-                          and times["tau"] >= TAU_BAR)}  # NaN (no pair decided): not met
+                          and times["pairs"] >= times["n"] - 1 and times["tau"] >= TAU_BAR)}
 
 
 def bar_lines(b: dict[str, Any], peaks: int) -> list[str]:
@@ -432,9 +433,10 @@ def bar_lines(b: dict[str, Any], peaks: int) -> list[str]:
             f"{MEDIAN_BAR:.0%}: {said(b['median'] <= MEDIAN_BAR)}), worst {b['worst']:.0%} "
             f"(bar {WORST_BAR:.0%}: {said(b['worst'] <= WORST_BAR)}), "
             + (f"Kendall's tau {b['tau']:.2f} over the {b['pairs']} of {b['all']} pairs the "
-               f"repeats decide (bar {TAU_BAR}: {said(b['tau'] >= TAU_BAR)})" if b["pairs"]
-               else f"Kendall's tau: none of the {b['all']} pairs decided by the repeats "
-                    f"(bar {TAU_BAR}: not met)")
+               f"repeats decide (bar {TAU_BAR}: {said(b['tau'] >= TAU_BAR)})" if b["ranked"]
+               else f"Kendall's tau: the repeats decide {b['pairs']} of {b['all']} pairs, fewer "
+                    f"than the {b['n'] - 1} that can put {b['n']} configurations in an order: "
+                    f"no ranking to judge (bar {TAU_BAR}: not met)")
             + f"; over every pair's medians, decided or not, {b['tau_medians']:.2f}"]
 
 
