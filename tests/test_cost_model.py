@@ -67,7 +67,8 @@ def test_a_link_not_measured_says_where_it_was_measured_and_what_to_run():
 
 
 def test_a_calibration_is_read_back_as_written(tmp_path):
-    m = machine(slowdown={2: 1.25}, per_byte={"gelu": 1e-10}, attention=((1e5, 1e9),))
+    m = machine(slowdown={2: 1.25}, per_byte={"gelu": 1e-10}, attention=((1e5, 1e9),),
+                mode_overhead=3e-5, step_overhead=2e-6)
     path = save(m, tmp_path / "c.json")
     assert load(path) == m
     with pytest.raises(NotCalibrated, match="no calibration at .*calibrate"):
@@ -105,6 +106,45 @@ def test_a_products_flops_are_counted_and_views_are_not_operators():
         + 8 * 4 * 4 * m.first_touch + 3 * m.view_overhead)
     splits, _ = count_ops(lambda: torch.zeros(12).split(3))
     assert [(op.name, op.tensors) for op in splits.ops if op.view] == [("split", 4)]
+
+
+def test_an_operator_passing_python_dispatch_modes_costs_one_overhead_per_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passes(TorchDispatchMode):  # hands every operator on, as a checkpointing mode does
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    plain, _ = count_ops(lambda: a @ b)
+
+    def twice_wrapped():
+        with Passes(), Passes():
+            return a @ b
+
+    wrapped, _ = count_ops(twice_wrapped)
+    assert [op.modes for op in plain.ops] == [0] and [op.modes for op in wrapped.ops] == [2]
+    m = machine(mode_overhead=5e-6)
+    assert compute_time(wrapped, m) - compute_time(plain, m) == pytest.approx(2 * 5e-6)
+
+
+def test_selective_checkpointing_passes_every_operator_it_watches_through_a_mode():
+    from pcourse.checkpointing import run_segments
+    from pcourse.workloads.transformer import Block
+
+    block, x = Block(8, 2, 16), torch.randn(4, 2, 8)
+    for how, wrapped in (("none", False), ("scratch", False), ("selective", True)):
+        forward, y = count_ops(lambda how=how: run_segments([block], x, 1, how))
+        backward, _ = count_ops(lambda y=y: y.square().mean().backward())
+        assert all((op.modes > 0) == wrapped for op in forward.ops), how
+        assert any(op.modes for op in backward.ops) == wrapped, how  # the recomputation
+
+
+def test_an_optimizers_step_is_priced_at_its_own_overhead_per_operator():
+    m = machine(op_overhead=1e-5)
+    assert m.stepping() == m  # not measured: the one overhead
+    stepping = machine(op_overhead=1e-5, step_overhead=2e-6).stepping()
+    assert stepping.op_overhead == 2e-6 and stepping.step_overhead == 2e-6
 
 
 def test_a_steps_counted_flops_are_the_closed_forms():
@@ -226,6 +266,24 @@ def test_kendalls_tau_of_orders_known_by_hand():
     assert compare.kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
     s = compare.summary([1.1, 2.0, 2.7], [1.0, 2.0, 3.0])
     assert s["median"] == pytest.approx(0.1) and s["worst"] == pytest.approx(0.1)
+    assert s["pairs"] == s["all"] == 3  # no repeats: every pair decided by its values
+
+
+def test_kendalls_tau_counts_only_the_pairs_the_repeats_decide():
+    # configurations 0 and 1 overlap, 2 is apart from both: four repeats each (the
+    # fewest whose falling apart decides, pcourse.utils.verdict)
+    repeats = [[1.0, 1.2, 1.1, 1.3], [1.15, 1.25, 1.05, 1.2], [2.0, 2.1, 2.2, 2.05]]
+    medians = [1.15, 1.175, 2.075]
+    assert compare.decided_pairs(repeats) == 2
+    right = compare.summary([2.0, 1.0, 3.0], medians, repeats)  # 0, 1 swapped: undecided
+    assert right["tau"] == 1.0 and (right["pairs"], right["all"]) == (2, 3)
+    assert compare.kendall_tau([2.0, 1.0, 3.0], medians) == pytest.approx(1 / 3)  # unrepeated
+    wrong = compare.summary([1.0, 3.0, 2.0], medians, repeats)  # 1 above 2: decided, wrong
+    assert wrong["tau"] == 0.0
+    assert compare.summary([3.0, 2.0, 1.0], medians, repeats)["tau"] == -1.0
+    few = [r[:3] for r in repeats]  # three repeats each: too few to decide any pair
+    assert math.isnan(compare.summary([1.0, 2.0, 3.0], medians, few)["tau"])
+    assert compare.decided_pairs(few) == 0
 
 
 # ------------------------------------------------------------------ at scale
@@ -253,3 +311,20 @@ def test_the_chosen_mesh_keeps_tensor_parallelism_inside_a_node():
     best = scale.choose_mesh(model, scale.A100, 1536, 2304, e)[0]
     assert best["fits"] and best["tp"] <= scale.A100.per_node
     assert math.isclose(scale.ring("allreduce", 1, 1e9, 1e9), 0.0)
+
+
+def test_the_time_bar_needs_a_ranking_the_run_decided():
+    from pcourse.tools.bench.predict import bars
+
+    def rows(repeats):
+        return [{"strategy": s, "ranks": 2, "rank": 0, "time": sorted(r)[1], "time_predicted": p,
+                 "times": r, "peak_error": 0.0}
+                for s, p, r in zip("abc", (1.0, 2.0, 2.5), repeats, strict=True)]
+
+    apart = [[1.0, 1.1, 0.9, 1.05], [2.0, 2.1, 1.9, 2.05], [3.0, 3.1, 2.9, 3.05]]
+    assert bars(rows(apart))["times_met"]
+    one = [[1.0, 1.1, 0.9, 1.05], [2.0, 2.1, 1.9, 3.05], [1.0, 3.1, 2.9, 3.05]]  # a-b only
+    got = bars(rows(one))
+    assert got["tau"] == 1.0 and got["pairs"] == 1 and not got["times_met"]  # 1 < n - 1
+    wrong = bars(rows(apart[::-1]))  # every pair decided, every one the other way round
+    assert wrong["tau"] == -1.0 and not wrong["times_met"]

@@ -5,7 +5,9 @@ dispatcher as one ATen operator. :func:`count_ops` watches them go by
 (``TorchDispatchMode``) and writes down, for each, its floating-point operations (torch's
 own table, :data:`torch.utils.flop_counter.flop_registry`: matrix products and attention)
 and the bytes of the tensors it reads and writes. Views (a reshape, a transpose) move
-nothing and are left out.
+nothing and are left out. It also writes down through how many other Python dispatch
+modes the operator passed on its way (torch's selective checkpointing puts one in front
+of every operator it watches: Python code run per operator).
 
 :func:`compute_time` prices the list on a measured :class:`~pcourse.cost_model.machine.Machine`,
 a roofline with a floor: each operator costs its fixed overhead, plus either its FLOPs at
@@ -13,13 +15,15 @@ the rate the machine reached on a product (or an attention) of that size, or its
 the machine's streaming bandwidth, whichever is longer; the few operators that compute
 more per element than they move (GELU, the norms) at their own measured cost per byte;
 and the new memory a result fills is touched for the first time, at a measured cost per
-byte (the kernel hands out pages as they are first written). Views move nothing and
-cost their dispatch. Small operators are all overhead; large products are all FLOPs;
+byte (the kernel hands out pages as they are first written); and each Python dispatch
+mode it passed through, the overhead measured per operator for one. Views move nothing
+and cost their dispatch. Small operators are all overhead; large products are all FLOPs;
 additions are all bytes.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +49,7 @@ class Op:
     fresh: int = 0
     view: bool = False
     tensors: int = 1  # a view's results: a split makes many
+    modes: int = 0  # Python dispatch modes it passed through before this count's
 
 
 @dataclass
@@ -96,16 +101,30 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        modes = _modes_above()
         out = func(*args, **kwargs)
         packet = func._overloadpacket
         if func.is_view or func in _FREE:
             made = sum(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0])
-            self.counts.ops.append(Op(packet.__name__, 0, 0, view=True, tensors=made))
+            self.counts.ops.append(Op(packet.__name__, 0, 0, view=True, tensors=made,
+                                      modes=modes))
             return out
         self.counts.ops.append(Op(packet.__name__, int(flops_of(packet, args, kwargs, out)),
                                   _tensor_bytes((args, kwargs)) + _tensor_bytes(out),
-                                  _fresh_bytes(args, kwargs, out)))
+                                  _fresh_bytes(args, kwargs, out), modes=modes))
         return out
+
+
+def _modes_above() -> int:
+    """How many other Python dispatch modes handed this operator on to the recorder: the
+    ``__torch_dispatch__`` frames below the recorder's own on Python's stack (a mode
+    pushed after the recorder handles an operator first, then calls it again)."""
+    frame: Any = sys._getframe(2)  # 0: this function, 1: the recorder's handler
+    modes = 0
+    while frame is not None:
+        modes += frame.f_code.co_name == "__torch_dispatch__"
+        frame = frame.f_back
+    return modes
 
 
 _FREE = {torch.ops.aten.detach.default, torch.ops.aten.alias.default,
@@ -143,14 +162,16 @@ def op_time(op: Op, machine: Machine) -> float:
     its overhead, the longer of its FLOPs at the rate measured for its kind and size
     (attention's own, or a product's) and its bytes at the streaming bandwidth (or the
     per-byte cost measured for it by name), and the first touch of the new memory its
-    results fill."""
+    results fill; and per Python dispatch mode it passed through, the overhead measured
+    for one."""
+    modes = op.modes * machine.mode_overhead
     if op.view:
-        return machine.view_overhead * op.tensors
+        return machine.view_overhead * op.tensors + modes
     kind = "attention" if "scaled_dot_product" in op.name else "matmul"
     arithmetic = op.flops / machine.rate(op.flops, kind) if op.flops else 0.0
     per_byte = machine.per_byte.get(op.name, 1 / machine.bandwidth)
     return (machine.op_overhead + max(arithmetic, op.bytes * per_byte)
-            + op.fresh * machine.first_touch)
+            + op.fresh * machine.first_touch + modes)
 
 
 def compute_time(counts: Counts, machine: Machine, ranks: int = 1) -> float:

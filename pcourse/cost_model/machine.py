@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,11 @@ class Machine:
     move (GELU's error function, a norm's statistics), by name; ``op_overhead``: s per
     operator dispatched in a forward and backward pass (autograd included);
     ``view_overhead``: s per view (a reshape: dispatch, no data); ``first_touch``: s per
-    byte of new memory a result is written to; ``cores``;
+    byte of new memory a result is written to; ``mode_overhead``: s per operator per
+    Python dispatch mode it passes through (torch's selective checkpointing runs Python
+    for every operator it watches); ``step_overhead``: s per operator of an optimizer's
+    step (a loop in Python over the parameters, nothing recorded for autograd: less
+    than a forward's and backward's operator costs); ``cores``;
     ``slowdown``: p -> how much longer the same computation took on each of p ranks
     computing at once than on one alone; ``meeting``: p -> what a collective between
     steps costs beyond its latency, the ranks waiting to meet (one may be off its core);
@@ -104,6 +108,8 @@ class Machine:
     meeting: Mapping[int, float] = field(default_factory=dict)
     view_overhead: float = 0.0
     first_touch: float = 0.0
+    mode_overhead: float = 0.0
+    step_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         values = {"bandwidth": self.bandwidth, "op_overhead": self.op_overhead,
@@ -133,6 +139,11 @@ class Machine:
                 w = math.log(flops / f0) / math.log(f1 / f0)
                 return r0 + w * (r1 - r0)
         return points[-1][1]
+
+    def stepping(self) -> Machine:
+        """The machine as an optimizer's step meets it: each operator costs
+        ``step_overhead`` (where measured) in place of ``op_overhead``."""
+        return replace(self, op_overhead=self.step_overhead) if self.step_overhead else self
 
     def share(self, ranks: int) -> float:
         """The part of a core each of ``ranks`` ranks computing at once gets: 1/slowdown
@@ -184,7 +195,9 @@ class Machine:
                        slowdown={int(p): v for p, v in data.get("slowdown", {}).items()},
                        meeting={int(p): v for p, v in data.get("meeting", {}).items()},
                        view_overhead=data.get("view_overhead", 0.0),
-                       first_touch=data.get("first_touch", 0.0))
+                       first_touch=data.get("first_touch", 0.0),
+                       mode_overhead=data.get("mode_overhead", 0.0),
+                       step_overhead=data.get("step_overhead", 0.0))
         except (KeyError, TypeError) as exc:
             raise NotCalibrated(f"the calibration lacks {exc}: calibrate again") from None
 
@@ -208,7 +221,3 @@ def load(path: str | os.PathLike[str] = DEFAULT_PATH) -> Machine:
         raise NotCalibrated(f"{path} is not a calibration ({exc}): calibrate again") from None
     return Machine.from_json(data)
 
-
-def links_from(fits: Mapping[str, Sequence[float]]) -> dict[str, Link]:
-    """``"backend kind p"`` -> (a, b, check) as measured, made :class:`Link` s."""
-    return {key: Link(*values) for key, values in fits.items()}

@@ -7,7 +7,8 @@ the machine it predicts, in well under a minute:
   and of attention's forward and backward (one thread, as every rank of a job on this
   machine has), the bytes per second an elementwise operator streams and what GELU and
   a norm cost per byte, and the overhead of one operator (a tiny model's forward
-  and backward over the operators it dispatched: :func:`pcourse.cost_model.counting.count_ops`);
+  and backward over the operators it dispatched: :func:`pcourse.cost_model.counting.count_ops`),
+  of one in an optimizer's step, and of one passing a Python dispatch mode;
 - at each rank count asked for: how much longer a small model's forward and backward
   takes on every rank at once than on one alone (the cores shared, with each other and
   with whatever else runs here); and per backend: an allreduce, a reduce-scatter and an
@@ -179,13 +180,16 @@ def attention_rates(seconds: float) -> list[tuple[float, float]]:
     return sorted(out)
 
 
+REFERENCE = (96, 8, 384, 32, 8, 96)  # a block's width, heads, MLP; its input's shape
+
+
 def _reference() -> Callable[[], None]:
     """A small model's forward and backward: the same computation alone and at p ranks."""
     import torch
 
     from pcourse.workloads.transformer import Block
 
-    block, x = Block(96, 8, 384), torch.randn(32, 8, 96)
+    block, x = Block(*REFERENCE[:3]), torch.randn(*REFERENCE[3:])
     return lambda: block(x).square().mean().backward()
 
 
@@ -255,6 +259,45 @@ def op_overhead(seconds: float, view: float) -> float:
     counts, _ = count_ops(step)
     views = len(counts) - counts.operators
     return max(_best(step, seconds) - views * view, 0.0) / counts.operators
+
+
+def step_overhead(seconds: float) -> float:
+    """Seconds per operator of an optimizer's step (a loop in Python, nothing recorded for
+    autograd): AdamW's step and ``zero_grad`` over a tiny block's parameters, over the
+    operators :func:`~pcourse.cost_model.counting.count_ops` counts."""
+    import torch
+
+    from pcourse.cost_model.counting import count_ops
+    from pcourse.workloads.transformer import Block
+
+    opt = torch.optim.AdamW(Block(8, 2, 16).parameters())
+    for q in opt.param_groups[0]["params"]:
+        q.grad = torch.zeros_like(q)
+    counts, _ = count_ops(step := lambda: (opt.step(), opt.zero_grad(set_to_none=False)))
+    return _best(step, seconds) / counts.operators
+
+
+def mode_overhead(seconds: float, machine: Any) -> float:
+    """Seconds an operator costs per Python dispatch mode it passes: :func:`_reference`'s
+    block under torch's selective checkpointing (lesson 13's policy: a mode in front of
+    every operator, in the forward and the recomputation) against the same without,
+    beyond what ``machine`` (the other constants, this one 0) prices for the operators
+    it adds, over the operators the modes handled (``count_ops``' ``modes``)."""
+    import torch
+
+    from pcourse.checkpointing import run_segments
+    from pcourse.cost_model.counting import compute_time, count_ops
+    from pcourse.workloads.transformer import Block
+
+    block, x = Block(*REFERENCE[:3]), torch.randn(*REFERENCE[3:])
+    took, priced, handled = [], [], 0
+    for how in ("none", "selective"):
+        counts, _ = count_ops(step := lambda how=how: run_segments(
+            [block], x, 1, how).square().mean().backward())
+        took.append(_best(step, seconds))
+        priced.append(compute_time(counts, machine))
+        handled += sum(o.modes for o in counts.ops)
+    return max((took[1] - took[0]) - (priced[1] - priced[0]), 0.0) / handled
 
 
 def first_touch(seconds: float) -> float:
@@ -353,8 +396,10 @@ def measure(comm: Any, spec: Spec, progress: jobs.Progress) -> None:
                "attention": attention_rates(spec.seconds), "per_byte": per_byte(spec.seconds),
                "view_overhead": (view := view_overhead(spec.seconds)),
                "op_overhead": op_overhead(spec.seconds, view),
-               "first_touch": first_touch(spec.seconds),
+               "first_touch": first_touch(spec.seconds), "mode_overhead": 0.0,
+               "step_overhead": step_overhead(spec.seconds),
                "cores": os.cpu_count() or 1, "threads": torch.get_num_threads()}
+        row["mode_overhead"] = mode_overhead(spec.seconds, machine_from([row]))
         progress.done("one rank's compute", [row])
     jobs.wait_politely(comm)
     alone = comm.bcast(alone)
@@ -365,20 +410,15 @@ def measure(comm: Any, spec: Spec, progress: jobs.Progress) -> None:
 
 def machine_from(rows: Sequence[dict], about: str = "") -> Any:
     """The :class:`~pcourse.cost_model.machine.Machine` the rows measured."""
-    from pcourse.cost_model.machine import Machine, links_from
+    from pcourse.cost_model.machine import Machine
 
     one = next(r for r in rows if "matmul" in r)
-    fits = {r["key"]: r["link"] for r in rows if "key" in r}
-    return Machine(matmul=tuple(tuple(x) for x in one["matmul"]), bandwidth=one["bandwidth"],
-                   op_overhead=one["op_overhead"], view_overhead=one["view_overhead"],
-                   first_touch=one["first_touch"],
-                   cores=one["cores"], links=links_from(fits), about=about,
-                   attention=tuple(tuple(x) for x in one["attention"]),
-                   per_byte=dict(one["per_byte"]),
-                   slowdown={int(r["slowdown"][0]): r["slowdown"][1] for r in rows
-                             if "slowdown" in r},
-                   meeting={int(r["meeting"][0]): r["meeting"][1] for r in rows
-                            if "meeting" in r})
+    return Machine.from_json({
+        **one, "about": about, "links": {r["key"]: dict(zip(("a", "b", "check"), r["link"],
+                                                          strict=True))
+                                         for r in rows if "key" in r},
+        "slowdown": dict(r["slowdown"] for r in rows if "slowdown" in r),
+        "meeting": dict(r["meeting"] for r in rows if "meeting" in r)})
 
 
 def run_on(view: Any, spec: Spec | None = None, *, progress: bool = True,
@@ -428,6 +468,8 @@ def print_constants(machine: Any) -> None:
     print(f"  elementwise bandwidth {machine.bandwidth / 1e9:.2f} GB/s; operator overhead "
           f"{machine.op_overhead * 1e6:.2f} µs, per view {machine.view_overhead * 1e6:.2f} "
           f"µs; first touch of new memory {machine.first_touch * 1e9:.3f} ns/B")
+    print(f"  per operator of an optimizer's step {machine.step_overhead * 1e6:.2f} µs; per "
+          f"operator and Python dispatch mode it passes {machine.mode_overhead * 1e6:.2f} µs")
     for key, link in sorted(machine.links.items()):
         backend, kind, p = key.split()
         alpha, beta = alpha_beta(kind, int(p), link)

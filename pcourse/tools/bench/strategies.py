@@ -12,7 +12,7 @@ output. :func:`build` makes this rank's step for one strategy on a group of p ra
 - ``tp``, ``sp``: every block split over the p ranks (lesson 11), the whole batch on
   each, without and with sequence parallelism;
 - ``gpipe``, ``1f1b``: the blocks cut into p stages (lesson 12), ``Spec.micro``
-  micro-batches;
+  micro-batches, each stage bare (no timeline);
 - ``ddp-full``, ``ddp-selective``: ``ddp-buckets`` with every block checkpointed
   (:mod:`pcourse.checkpointing`), fully or selectively.
 
@@ -239,8 +239,9 @@ def _pipeline(strategy: str, group: Any, shape: Any, inputs: torch.Tensor | None
     p, r = group.size, group.rank
     module = BatchFirst(list(pipeline.split_model(stack_blocks(shape), p, r)))
     opt = torch.optim.AdamW(module.parameters())
+    # bare: lesson 12's timeline and saved-bytes count are instruments, not the strategy
     stage = pipeline.Stage(module, group, (shape.seq, shape.d),
-                           loss_fn=lambda out, target: loss_of(out))
+                           loss_fn=lambda out, target: loss_of(out), instrumented=False)
     order = (pipeline.gpipe_order if strategy == "gpipe" else pipeline.one_f_one_b_order)(
         p, r, micro)
     targets = torch.zeros(shape.batch) if r == p - 1 else None  # the loss needs none

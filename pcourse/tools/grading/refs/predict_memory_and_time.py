@@ -327,6 +327,7 @@ def strategy_problem(strategy: str, cfgs: list[dict], got: list[dict],
              if not r]
     if any(t <= 0 for _, t, _ in steps):
         return f"{name}: a step time of 0 s or less"
+    # the references are computed, not timed: every pair is decided, τ is over all of them
     b = summary([t for _, t, _ in steps], [w for _, _, w in steps])
     cfg, t, w = max(steps, key=lambda x: abs(error(x[1], x[2])))
     if b["median"] > MEDIAN_BAR or b["worst"] > WORST_BAR or b["tau"] < TAU_BAR:
