@@ -43,3 +43,15 @@ def test_every_run_forces_one_variable_and_auto_forces_none() -> None:
         assert mpich.RUNS[name] == {mpich.ALGORITHM_VAR: name}
     assert mpich.RUNS["auto, no shared memory"] == {"MPIR_CVAR_NOLOCAL": "1"}
     assert mpich.RUNS["auto, no device collectives"] == {mpich.DEVICE_VAR: "0"}
+
+
+def test_the_table_prints_a_column_for_every_run_made_and_none_for_a_run_left_out(capsys) -> None:
+    """Quick mode leaves out the run with shared memory off: no column of NaNs for it; a
+    run made keeps its column."""
+    made = _rows("auto", {1024: 10.0}) + _rows("tree", {1024: 11.0})
+    mpich.print_table(mpich.table(made))
+    header = capsys.readouterr().out.splitlines()[1]
+    assert "auto" in header and "tree" in header and "rec_doubling" not in header
+    assert "no shm" not in header and "nan" not in header.lower()
+    mpich.print_table(mpich.table(made + _rows("auto, no shared memory", {1024: 12.0})))
+    assert "auto, no shm" in capsys.readouterr().out.splitlines()[1]

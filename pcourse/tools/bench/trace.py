@@ -13,11 +13,13 @@ the reduction really ended. :func:`write` saves the JSON atomically (open it at
 https://ui.perfetto.dev); :func:`summary` reads the numbers back from the trace;
 :func:`plot` draws it. Lesson 07 uses all of them.
 
-:func:`record_progress` traces the overlapped MPI step three ways (:data:`PROGRESS`),
-each in an MPI job of its own, because MPICH reads its progress setting once, when
-MPI starts: as MPICH is configured, a nonblocking allreduce moves only inside MPI
-calls; with the reducer's hooks testing the requests in flight; with MPICH's
-asynchronous progress thread. ``python -m pcourse.tools.bench.trace`` is one such job's rank.
+:func:`record_progress` traces the overlapped MPI step three ways (:data:`PROGRESS`):
+as MPICH is configured, a nonblocking allreduce moves only inside MPI calls; with the
+reducer's hooks testing the requests in flight; with MPICH's asynchronous progress
+thread. MPICH reads its progress setting once, when MPI starts, so each setting of
+MPICH's is an MPI job of its own; the modes that share one (the first two) share its
+job and take turns, repeat by repeat, so that a machine that slows down part-way
+slows both alike. ``python -m pcourse.tools.bench.trace`` is one such job's rank.
 The last is MPICH's alone: under Open MPI :func:`record_progress` says so and runs nothing.
 """
 
@@ -212,7 +214,8 @@ def plot(trace: dict, ax: Any, rank: int = 0, title: str = "") -> None:
 def record_progress(ranks: int = 2, workload: str = "mnist", cap: int = MiB, repeats: int = 3,
                     timeout: float = 300.0) -> dict[str, list[dict]]:
     """The overlapped MPI step traced in each :data:`PROGRESS` mode: mode -> Chrome traces,
-    one per repeat. One MPI job per mode, one torch thread per rank (as the benchmarks);
+    one per repeat. One MPI job per setting of MPICH's (the modes that share one take
+    turns in its job, repeat by repeat), one torch thread per rank (as the benchmarks);
     each trace's ``otherData`` says how many threads the rank process had."""
     from pcourse.tools.cluster.launch import mpich_only, mpirun_rows
 
@@ -221,18 +224,23 @@ def record_progress(ranks: int = 2, workload: str = "mnist", cap: int = MiB, rep
     # Open MPI (5.0, as pip installs it) has no progress thread to compare with: `ompi_info`
     # says "OMPI progress: no"; its btl_tcp_progress_thread moves TCP only, not shared memory.
     mpich_only("record_progress's 'progress thread' mode (MPIR_CVAR_ASYNC_PROGRESS)")
-    traces: dict[str, list[dict]] = {}
-    for mode, (env, drive) in PROGRESS.items():
+    jobs: dict[tuple, list[str]] = {}  # MPICH's environment -> the modes that run in its job
+    for mode, (env, _) in PROGRESS.items():
+        jobs.setdefault(tuple(sorted(env.items())), []).append(mode)
+    traces: dict[str, list[dict]] = {mode: [] for mode in PROGRESS}
+    for setting, modes in jobs.items():
+        drives = [("on" if PROGRESS[m][1] else "off") for m in modes]
         args = ["-m", "pcourse.tools.bench.trace", "--workload", workload, "--cap", str(cap),
-                "--repeats", str(repeats), *(["--drive-progress"] if drive else [])]
+                "--repeats", str(repeats), "--drive-progress", *drives]
         rows, _ = mpirun_rows(ranks, args, timeout=timeout,
-                              env={**env, "OMP_NUM_THREADS": "1"})
-        traces[mode] = []
-        for k in range(repeats):
-            records = [r for r in rows if r["repeat"] == k]
-            trace = chrome_trace(records)
-            trace["otherData"]["threads"] = max(r["threads"] for r in records)
-            traces[mode].append(trace)
+                              env={**dict(setting), "OMP_NUM_THREADS": "1"})
+        for mode in modes:
+            for k in range(repeats):
+                records = [r for r in rows if r["repeat"] == k
+                           and r["drive_progress"] == PROGRESS[mode][1]]
+                trace = chrome_trace(records)
+                trace["otherData"]["threads"] = max(r["threads"] for r in records)
+                traces[mode].append(trace)
     return traces
 
 
@@ -266,14 +274,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", choices=("franke", "mnist"), default="mnist")
     p.add_argument("--cap", type=int, default=MiB, help="the bucket cap, in bytes (default 1 MiB)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--drive-progress", action="store_true")
+    p.add_argument("--drive-progress", nargs="+", choices=("off", "on"), default=["off"],
+                   help="whether the hooks test the requests in flight: each one given takes "
+                        "its turn in every repeat (default: off)")
     args = p.parse_args(argv)
+    if len(set(args.drive_progress)) != len(args.drive_progress):
+        p.error(f"--drive-progress: each of off and on once, got {args.drive_progress}")
     mine = []
     for k in range(args.repeats):
-        record = record_step(args.workload, "mpi", args.cap, overlap=True,
-                             drive_progress=args.drive_progress)
-        # threads of this process: MPICH's progress thread, if it started, is one of them
-        mine.append({**record, "repeat": k, "threads": psutil.Process().num_threads()})
+        # every other repeat in the other order: neither mode always runs first (the first
+        # of all runs cold)
+        for drive in args.drive_progress[::-1] if k % 2 else args.drive_progress:
+            record = record_step(args.workload, "mpi", args.cap, overlap=True,
+                                 drive_progress=drive == "on")
+            # threads of this process: MPICH's progress thread, if it started, is one of them
+            mine.append({**record, "repeat": k, "threads": psutil.Process().num_threads()})
     gathered = MPI.COMM_WORLD.gather(mine, root=0)  # None on every rank but 0
     if MPI.COMM_WORLD.rank == 0:
         assert gathered is not None
