@@ -374,14 +374,16 @@ def warm_up() -> None:
     torch.optim.AdamW([weight]).step()
 
 
-def listen(path: str) -> None:
-    """Listen at ``path`` for this rank's connections: a fresh child for each (the one
-    before it killed first)."""
+def _no_mpi_here() -> None:
     import mpi4py
 
     mpi4py.rc.initialize = False  # no MPI here: every call goes to the rank
     mpi4py.rc.finalize = False
-    warm_up()
+
+
+def listen(path: str) -> None:
+    """Listen at ``path`` for this rank's connections: a fresh child for each (the one
+    before it killed first). The process is warmed up (:func:`warm_up`) before."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     if os.path.lexists(path):
         os.unlink(path)
@@ -415,7 +417,11 @@ def _kill(pid: int) -> None:
 
 
 def main(paths: list[str]) -> None:
-    """:func:`listen` for each of ``paths``: one process each (the ranks of a shared jail)."""
+    """:func:`listen` for each of ``paths``: one process each (the ranks of a shared jail),
+    forked after one warm-up, so that a shared jail pays for torch's import once, not once
+    per rank."""
+    _no_mpi_here()
+    warm_up()
     if len(paths) == 1:
         listen(paths[0])
         return
