@@ -31,7 +31,7 @@ from typing import Any
 
 from pcourse.tools.grading import relay, sandbox
 from pcourse.tools.grading.checks import ExerciseError
-from pcourse.tools.grading.relay import ENGINE_DIED
+from pcourse.tools.grading.relay import ENGINE_DIED, die_with_parent
 
 RANKS = 4  # the checks run at 2, 3 and 4 ranks (checks.GRADER_SIZES)
 START_TIMEOUT = 120.0  # seconds for the ranks to start and say hello (a loaded machine)
@@ -249,18 +249,6 @@ def _descendants(process: subprocess.Popen) -> list[Any]:
         return psutil.Process(process.pid).children(recursive=True)
     except psutil.Error:
         return []
-
-
-def die_with_parent() -> None:
-    """In a child, before it runs its program: be killed when the parent dies (Linux), so
-    nothing of a job outlives a grader that was killed."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def leftovers() -> list[Any]:

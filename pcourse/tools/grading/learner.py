@@ -31,8 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from pcourse.tools.grading.job import die_with_parent
-from pcourse.tools.grading.relay import completed, constants, receive, send
+from pcourse.tools.grading.relay import completed, constants, die_with_parent, receive, send
 from pcourse.tools.grading.wire import Made, Mpi, Obj, Ref
 
 

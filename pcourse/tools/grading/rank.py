@@ -40,12 +40,11 @@ def _open(path: str, codes: list[str], timeout: float) -> tuple:
 def main(where: str) -> None:
     from mpi4py import MPI
 
-    from pcourse.tools.grading.job import die_with_parent
-
-    die_with_parent()  # its launcher's: a grader killed takes its job with it
+    relay.die_with_parent()  # its launcher's: a grader killed takes its job with it
     # objects between ranks: data only. Re-initialising MPI.pickle is mpi4py's documented way
     # to change its serializer, which mypy calls unsound on an instance (hence the ignore).
     MPI.pickle.__init__(wire.dumps, wire.loads)  # type: ignore[misc]
+    wire.hold_tensors()  # a rank passes tensors on and never computes with one: no torch
     sock = relay.connect(Path(where), timeout=60.0)
     relay.send(sock, ("hello", MPI.COMM_WORLD.rank))
     while True:

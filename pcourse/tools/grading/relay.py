@@ -92,6 +92,20 @@ def connect(path: Path, timeout: float = CONNECT_TIMEOUT) -> socket.socket:
             time.sleep(0.05)
 
 
+def die_with_parent() -> None:
+    """In a child, before it runs its program: be killed when the parent dies (Linux), so
+    nothing of a job outlives a grader that was killed. Here, not in :mod:`~pcourse.tools.
+    grading.job`, so that a rank can call it without importing torch (the job imports the
+    checks)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _mpi() -> Any:
     from mpi4py import MPI
 
@@ -291,7 +305,11 @@ def _comm_call(ln: Link, comm: Any, method: str, args: tuple, kwargs: dict,
     if method[0].isupper():
         for a in (*args, *kwargs.values()):
             _check_message(a)
-    result = getattr(comm, method)(*args, **kwargs)
+    if method in ("allreduce", "reduce"):  # mpi4py adds the objects here: tensors again
+        with wire.tensors():
+            result = getattr(comm, method)(*wire.unheld(args), **wire.unheld(kwargs))
+    else:
+        result = getattr(comm, method)(*args, **kwargs)
     MPI = _mpi()
     if isinstance(result, MPI.Request):
         return ("ok", Ref(ln.hold((result, buffers))), [])
@@ -364,7 +382,8 @@ def _decode(ln: Link, value: Any, buffers: list[np.ndarray], depth: int = 0) -> 
         return type(value)(_decode(ln, v, buffers, depth + 1) for v in value)
     if value is None or isinstance(value, bool | int | float | str):
         return value
-    raise TypeError(f"{type(value).__name__} is not an argument the grader passes to MPI")
+    what = "Tensor" if isinstance(value, wire.Held) else type(value).__name__
+    raise TypeError(f"{what} is not an argument the grader passes to MPI")
 
 
 def _check_message(spec: Any) -> None:

@@ -20,6 +20,7 @@ from pcourse.tools.grading.checks import (
     Learner,
     at_sizes,
     checker,
+    once,
     per_rank,
     run,
     tensors_differ,
@@ -161,8 +162,13 @@ def _broadcasts(mc: Any, p: int, roots: list[int]) -> str | None:
     return None
 
 
+def _spread_run(mc: Any, p: int) -> list[dict]:
+    """The learner's max_spread at p ranks, run once for the two checks that read it."""
+    return once(mc, ("spread", p, SPREAD), lambda: run(mc, spread_trial, SPREAD, ranks=p))
+
+
 def _spreads(mc: Any, p: int) -> str | None:
-    got = run(mc, spread_trial, SPREAD, ranks=p)
+    got = _spread_run(mc, p)
     for case in SPREAD_CASES:
         want = spread_reference(case, p)
         for r, o in enumerate(got):
@@ -173,7 +179,7 @@ def _spreads(mc: Any, p: int) -> str | None:
 
 
 def _untouched(mc: Any, p: int) -> str | None:
-    got = run(mc, spread_trial, SPREAD, ranks=p)
+    got = _spread_run(mc, p)
     return per_rank(got, lambda r, o: next((f"max_spread changed the {case} model: reduce "
                                             "copies, never the model's own tensors"
                                             for case in SPREAD_CASES
