@@ -6,8 +6,10 @@ and Gloo), and in the slow set FSDP and the VAE at 2 and 3; the four resumes tha
 one thing do not (but the VAE's noise is its epoch's table: it needs no generator state);
 bad checkpoints are refused on every rank alike. Resharding 4 -> 2 and 3 -> 2
 (check_reshard.py); a killed rank named from the launcher's reports, under MPICH and Open
-MPI alike, a raising one from its own notice (check_notices.py). Here, in one process: the
-generators' round trip, what is skipped and what is refused, and that nothing is unpickled.
+MPI alike, a raising one from its own notice (check_notices.py); under torchrun
+--max-restarts on Gloo, a killed rank's group restarted by torchrun and resumed exactly.
+Here, in one process: the generators' round trip, what is skipped and what is refused, and
+that nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -241,3 +243,32 @@ def test_a_rank_killed_ends_the_job_and_is_named(tmp_path, where, rank, step):
 def test_a_rank_that_raises_is_named_by_the_others_and_a_silent_one_is_not(mpi_run, p):
     mpi_run(p, "check_notices.py", expect=f"notices OK on {p} ranks", timeout=120)
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p", [2, 3])
+def test_torchrun_restarts_the_group_and_the_resume_is_exact(tmp_path, p):
+    """Under ``torchrun --max-restarts 1`` on Gloo, the last rank kills itself before step 7
+    on the first attempt: torchrun's agent says it restarts the group, every worker of the
+    new attempt reads attempt 1 from torchrun, resumes from step 5 (the newest complete
+    checkpoint) and ends equal to the run never interrupted, bit for bit."""
+    from pcourse.tools.bench import elastic
+
+    log, ranks = elastic.launch(p, str(tmp_path / "ckpt"), str(tmp_path / "out"),
+                                kill=(p - 1, 7), timeout=240)
+    assert len(elastic.RESTARTED.findall(log)) == 1, log[-3000:]
+    assert [r["rank"] for r in ranks] == list(range(p)), ranks
+    for r in ranks:
+        assert r["attempt"] == 1 and r["said"] == "resumed from step-00000005", r
+        assert r["params"] and r["optimizer"] and r["losses"], r
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_resume_without_the_generators_is_not_exact(tmp_path):
+    """The same restart with a resume that forgets the generators: the check above fails."""
+    from pcourse.tools.bench import elastic
+
+    log, ranks = elastic.launch(2, str(tmp_path / "ckpt"), str(tmp_path / "out"),
+                                kill=(1, 7), forget=("rng",), timeout=240)
+    assert len(elastic.RESTARTED.findall(log)) == 1, log[-3000:]
+    assert [r["attempt"] for r in ranks] == [1, 1], ranks
+    assert not any(r["params"] or r["losses"] for r in ranks), ranks
