@@ -5,9 +5,11 @@ interrupted bit for bit, for DDP-style averaging and ZeRO-1 at 3 ranks (2 in the
 and Gloo), and in the slow set FSDP and the VAE at 2 and 3; the four resumes that each lose
 one thing do not (but the VAE's noise is its epoch's table: it needs no generator state);
 bad checkpoints are refused on every rank alike. Resharding 4 -> 2 and 3 -> 2
-(check_reshard.py); a killed rank named from the launcher's reports, a raising one from
-its own notice (check_notices.py). Here, in one process: the generators' round trip, what
-is skipped and what is refused, and that nothing is unpickled.
+(check_reshard.py); a killed rank named from the launcher's reports, under MPICH and Open
+MPI alike, a raising one from its own notice (check_notices.py); under torchrun
+--max-restarts on Gloo, a killed rank's group restarted by torchrun and resumed exactly.
+Here, in one process: the generators' round trip, what is skipped and what is refused, and
+that nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -177,29 +179,34 @@ def test_the_rank_exit_wrapper_reads_the_ranks_variables():
 
 
 def test_the_rank_that_died_first_is_named_from_the_launchers_reports():
-    """Rank 2 of 3 kills itself; the others end a moment later by themselves. The line
-    names rank 2 and SIGKILL, from the exits the launcher's ranks reported (not rank 0, not
-    the last to exit, not whoever exited with an error)."""
+    """Rank 2 of 3 kills itself; the others end a moment later (by themselves, or ended by
+    the launcher: Open MPI's ends them at once). The line names rank 2 and SIGKILL, from the
+    exits the launcher's ranks reported (not rank 0, not the last to exit, not whoever
+    exited with an error), under MPICH and Open MPI alike: one wrapper reports for both."""
     import os
     import subprocess
     import sys
 
+    from pcourse.runtime.ranks import MPI_RANK_VARS
     from pcourse.tools.cluster import launch
-    from pcourse.tools.cluster.failures import who_died
+    from pcourse.tools.cluster.failures import rank_exits, who_died
 
     launcher = launch.mpi_launcher()
-    if not launcher.wrap:
-        pytest.skip("only MPICH's single-machine launcher runs each rank under rank_exit")
     code = ("import os, signal, time\n"
-            "if os.environ['PMI_RANK'] == '2': os.kill(os.getpid(), signal.SIGKILL)\n"
+            f"rank = next(os.environ[v] for v in {MPI_RANK_VARS!r} if v in os.environ)\n"
+            "if rank == '2': os.kill(os.getpid(), signal.SIGKILL)\n"
             "time.sleep(1)\n"
-            "raise SystemExit(3 if os.environ['PMI_RANK'] == '0' else 0)")
+            "raise SystemExit(3 if rank == '0' else 0)")
     done = subprocess.run([*launcher.command, "-n", "3", *launcher.wrap, sys.executable,
                            "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, **launcher.env})
     said = who_died(done.stdout)
     assert said.startswith("rank 2 ended first (killed by SIGKILL); then ended "), said
-    assert "rank 0 (exit status 3)" in said and "rank 1 (exit status 0)" in said
+    others = dict(rank_exits(done.stdout)[1:])
+    if launch.mpi_flavour() == "mpich":  # its forker lets them end by themselves
+        assert others == {0: "exit status 3", 1: "exit status 0"}, said
+    else:  # Open MPI ends them (SIGTERM) unless they ended first: either way, each named
+        assert sorted(others) == [0, 1], said
     assert who_died("") == ""
 
 
@@ -213,19 +220,16 @@ def test_a_rank_killed_ends_the_job_and_is_named(tmp_path, where, rank, step):
     collective): every rank's exit is reported, the first named as the killed rank, from
     the ranks' own reports; killed in a write, the torn checkpoint is skipped, saying why,
     and the newest complete one is the one before."""
-    from pcourse.tools.cluster.launch import mpi_flavour, mpirun
+    from pcourse.tools.cluster.launch import mpirun
 
     job = mpirun(3, ["-m", "pcourse.tools.bench.restart", "--kill", str(rank), str(step),
                      where, "--root", str(tmp_path), "--deadline", "10"],
                  timeout=120, check=False)
     assert job.returncode == 137, job.stdout[-3000:]
-    if mpi_flavour() == "mpich":  # its ranks run under the wrapper that reports their exits
-        assert job.ended.startswith(f"rank {rank} ended first (killed by SIGKILL); then ended "), \
-            job.ended
-        others = [r for r in range(3) if r != rank]
-        assert all(f"rank {r} (" in job.ended for r in others), job.ended  # every rank ended
-    else:  # Open MPI's ranks run bare: nothing reported, so nothing named (never a guess)
-        assert job.ended == "", job.ended
+    assert job.ended.startswith(f"rank {rank} ended first (killed by SIGKILL); then ended "), \
+        job.ended  # under MPICH and Open MPI alike: the wrapper reports for both
+    others = [r for r in range(3) if r != rank]
+    assert all(f"rank {r} (" in job.ended for r in others), job.ended  # every rank ended
     folder, skipped = resume.latest(tmp_path)
     if where == "save":
         assert folder.name == "step-00000010"
@@ -238,3 +242,33 @@ def test_a_rank_killed_ends_the_job_and_is_named(tmp_path, where, rank, step):
 @pytest.mark.parametrize("p", SLOW_P)
 def test_a_rank_that_raises_is_named_by_the_others_and_a_silent_one_is_not(mpi_run, p):
     mpi_run(p, "check_notices.py", expect=f"notices OK on {p} ranks", timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p", [2, 3])
+def test_torchrun_restarts_the_group_and_the_resume_is_exact(tmp_path, p):
+    """Under ``torchrun --max-restarts 1`` on Gloo, the last rank kills itself before step 7
+    on the first attempt: torchrun's agent says it restarts the group, every worker of the
+    new attempt reads attempt 1 from torchrun, resumes from step 5 (the newest complete
+    checkpoint) and ends equal to the run never interrupted, bit for bit."""
+    from pcourse.tools.bench import elastic
+
+    log, ranks = elastic.launch(p, str(tmp_path / "ckpt"), str(tmp_path / "out"),
+                                kill=(p - 1, 7), timeout=240)
+    assert len(elastic.RESTARTED.findall(log)) == 1, log[-3000:]
+    assert [r["rank"] for r in ranks] == list(range(p)), ranks
+    for r in ranks:
+        assert r["attempt"] == 1 and r["said"] == "resumed from step-00000005", r
+        assert r["params"] and r["optimizer"] and r["losses"], r
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_resume_without_the_generators_is_not_exact(tmp_path):
+    """The same restart with a resume that forgets the generators: the check above fails."""
+    from pcourse.tools.bench import elastic
+
+    log, ranks = elastic.launch(2, str(tmp_path / "ckpt"), str(tmp_path / "out"),
+                                kill=(1, 7), forget=("rng",), timeout=240)
+    assert len(elastic.RESTARTED.findall(log)) == 1, log[-3000:]
+    assert [r["attempt"] for r in ranks] == [1, 1], ranks
+    assert not any(r["params"] or r["losses"] for r in ranks), ranks

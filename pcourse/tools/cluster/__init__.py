@@ -4,9 +4,9 @@
 as one Slurm job); ``view`` is the notebook's view of them, which passes an interrupt on
 to the engines; ``failures`` is its error and what the launchers' logs say when a start
 fails. ``launch`` runs a command under ``mpiexec`` with a deadline; ``rank_exit`` has each
-rank report its own exit, so a job ends at once; ``netns`` stands up two "nodes" on
-one machine (lesson 09). ``reaping`` ends what a run
-left; ``interrupts`` is the engines' watcher. Rank and device are the runtime layer's
+rank report its own exit, so a failed job names the rank that ended first; ``netns``
+stands up two "nodes" on one machine (lesson 09). ``reaping`` ends what a run left;
+``interrupts`` is the engines' watcher. Rank and device are the runtime layer's
 (:mod:`pcourse.runtime`).
 
 ``from pcourse.tools.cluster import start_cluster, stop_cluster`` is what notebooks use.

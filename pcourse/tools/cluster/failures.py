@@ -92,7 +92,7 @@ def _status(code: int) -> str:
 def who_died(text: str) -> str:
     """One line naming the rank that ended first and how, then how the others ended (in
     the order they did); empty while no rank has exited. The first exit is the failure:
-    whatever ends the others (MPICH ends a job's ranks once one of them is killed) comes
+    whatever ends the others (MPICH and Open MPI end a job's ranks once one of them is killed) comes
     after it (lesson 14)."""
     exits = rank_exits(text)
     if not exits:

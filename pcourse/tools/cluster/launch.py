@@ -162,16 +162,18 @@ class Launcher:
     wrap: list[str] = field(default_factory=list)  # goes before each rank's program
 
 
+# On this machine every rank runs under pcourse/tools/cluster/rank_exit.py, whichever the MPI:
+# it reports the rank's exit status and number on the launcher's output, so that a failed
+# job names the rank that ended first (failures.who_died), and one rule names it under both.
+_REPORT_EXIT = [sys.executable, "-I", str(Path(__file__).with_name("rank_exit.py"))]
 # MPICH's gforker stops forwarding a rank's output at its first non-ASCII byte, and
 # closes the pipe (the rank's next write fails). So its ranks write around it: the
-# launcher's stdout is kept as fd 3, every rank inherits it and writes there.
-#
-#
-# The forker also notices its ranks' exit only on a slow poll, up to about two seconds
-# late: each rank runs under pcourse/tools/cluster/rank_exit.py, which reports the rank's exit
-# status on the kept stdout, and the job ends once every rank has reported.
+# launcher's stdout is kept as fd 3, every rank inherits it and writes there, the report
+# too. The forker also notices its ranks' exit only on a slow poll, up to about two
+# seconds late: the job ends once every rank has reported. (Open MPI's mpiexec notices at
+# once and cleans up after itself as it exits: its job is left to end by itself.)
 _KEEP_STDOUT = ["sh", "-c", 'exec 3>&1; exec "$@"', "sh"]
-_WRITE_TO_KEPT = [sys.executable, "-I", str(Path(__file__).with_name("rank_exit.py"))]
+_WRITE_TO_KEPT = [*_REPORT_EXIT, "--out", "3"]
 
 
 def mpi_launcher(hostfile: str | os.PathLike[str] | None = None) -> Launcher:
@@ -184,6 +186,8 @@ def mpi_launcher(hostfile: str | os.PathLike[str] | None = None) -> Launcher:
     beside it, that starts the ranks instead: it forks them and listens nowhere.
     A ``hostfile`` opts in to several nodes: hydra, ``-f hostfile``, every interface.
     Open MPI's ``mpiexec`` gets its own dialect (``--hostfile``, :func:`flavour_env`).
+    Here, each rank runs under :mod:`pcourse.tools.cluster.rank_exit`, which reports its
+    exit; a hostfile's ranks run bare (never tried on several nodes).
     """
     mpiexec = find_mpiexec()
     flavour = mpi_flavour(mpiexec)
@@ -196,7 +200,7 @@ def mpi_launcher(hostfile: str | os.PathLike[str] | None = None) -> Launcher:
     gforker = Path(mpiexec).with_name("mpiexec.gforker")
     if gforker.exists() and shutil.which("sh"):
         return Launcher([*_KEEP_STDOUT, str(gforker)], env, list(_WRITE_TO_KEPT))
-    return Launcher([mpiexec], env)
+    return Launcher([mpiexec], env, list(_REPORT_EXIT))
 
 
 _contained: list[tuple[list[str], str]] = []  # the probe's answer, once
@@ -264,8 +268,8 @@ class MPIJobError(RuntimeError):
 class MPIResult(subprocess.CompletedProcess):
     """:func:`mpirun`'s result: a completed process, and ``ended``: for a job that failed,
     one line naming the rank that ended first and how, from the exits its ranks reported
-    (:func:`pcourse.tools.cluster.failures.who_died`; empty where the launcher runs its
-    ranks without the wrapper that reports them)."""
+    (:func:`pcourse.tools.cluster.failures.who_died`; empty on a hostfile's nodes, whose
+    ranks run without the wrapper that reports them)."""
 
     ended: str = ""
 
