@@ -43,8 +43,11 @@ def how_it_ended(launcher: object, within: float = 5.0) -> str:
         code = launcher.process.wait(timeout=within)  # type: ignore[attr-defined]
     except (AttributeError, psutil.Error):
         code = None
-    if not isinstance(code, int):
-        return "its exit status is unknown"
+    return in_words(code) if isinstance(code, int) else "its exit status is unknown"
+
+
+def in_words(code: int) -> str:
+    """A process's return code as Popen gives it (``-N``: killed by signal N), in words."""
     if code >= 0:
         return f"exit status {code}"
     try:
@@ -75,18 +78,10 @@ def rank_exits(text: str) -> list[tuple[int | None, str]]:
     found = []
     for match in re.finditer(rf"{RANK_EXIT} (\d+)(?: rank=(\d+))?", text):
         code, rank = int(match.group(1)), match.group(2)
-        found.append((int(rank) if rank is not None else None, _status(code)))
+        # the wrapper reports a shell-style code: 128 + N is "killed by" signal N
+        found.append((int(rank) if rank is not None else None,
+                      in_words(128 - code if code > 128 else code)))
     return found
-
-
-def _status(code: int) -> str:
-    """A shell-style exit code in words: 128 + N is "killed by" signal N."""
-    if code <= 128:
-        return f"exit status {code}"
-    try:
-        return f"killed by {signal.Signals(code - 128).name}"
-    except ValueError:
-        return f"killed by signal {code - 128}"
 
 
 def who_died(text: str) -> str:
