@@ -56,9 +56,13 @@ def test_average_parameters_refuses_zero_total_weight(one_rank):
 
 
 def _workers_alive() -> list[psutil.Process]:
-    """Children other than multiprocessing's resource tracker (it lives with the parent)."""
-    kids = psutil.Process().children(recursive=True)
-    return [p for p in kids if "resource_tracker" not in " ".join(p.cmdline())]
+    """Descendants other than multiprocessing's resource tracker and fork server, our own
+    children that live as long as we do. A worker forked by the server carries the server's
+    command line, but it is the server's child, not ours: it counts."""
+    me = psutil.Process()
+    return [p for p in me.children(recursive=True)
+            if not (p.ppid() == me.pid and any(helper in " ".join(p.cmdline())
+                                               for helper in ("resource_tracker", "forkserver")))]
 
 
 def test_hogwild_reduces_loss_and_leaves_no_processes():

@@ -3,9 +3,11 @@
 :func:`hogwild` trains one model whose tensors live in shared memory
 (``model.share_memory()``) with ``workers`` processes that each write their SGD
 updates straight into it; :func:`serial` is the same number of steps in one process.
-Only processes on one machine share memory. Workers are started with ``spawn``
-(forking a process that holds OpenMP threads can deadlock), have a deadline, and are
-always joined or killed before the function returns.
+Only processes on one machine share memory. Workers are forked from a fork server
+(``forkserver``): a fresh process that imported this module and ran no op, so no OpenMP
+threads, whose forks cannot deadlock on them as forks of the caller can; each starts at
+once, where ``spawn`` imports torch anew for every worker of every run. Workers have a
+deadline and are always joined or killed before the function returns.
 
 Lesson 08 explains Hogwild's sparsity condition, which this dense network violates.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from multiprocessing.context import ForkServerContext
 
 import torch
 import torch.multiprocessing as mp
@@ -62,6 +65,13 @@ def _worker(w: int, workers: int, model: nn.Module, losses: torch.Tensor,
     spans[w, 1] = time.monotonic()
 
 
+def _context() -> ForkServerContext:
+    """The fork server's context; the server imports this module (and torch) when it starts."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # no effect once this process's server runs
+    return ctx
+
+
 def _test_loss(model: nn.Module, setup: Setup) -> float:
     _, _, x_test, y_test = make_problem(setup)
     with torch.no_grad():
@@ -90,7 +100,7 @@ def hogwild(workers: int, setup: Setup, timeout: float = 120.0) -> HogwildResult
     losses = torch.full((workers, setup.steps), float("nan")).share_memory_()
     spans = torch.zeros(workers, 2, dtype=torch.float64).share_memory_()
     initial = _test_loss(model, setup)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     procs = [ctx.Process(target=_worker, args=(w, workers, model, losses, setup, spans),
                          daemon=True) for w in range(workers)]
     start = time.perf_counter()

@@ -80,6 +80,14 @@ _FOLDER = re.compile(r"^pcourse-cluster-(\d+)-")  # pcourse-cluster-<owner pid>-
 TEARDOWN_GRACE = 0.25  # seconds between SIGTERM and SIGKILL when a cluster stops
 HEARTBEAT_MS = 1000  # the hub's heartbeat period (ipyparallel's default: 3000)
 
+# What every engine runs: ipyparallel's engine, with torch imported in a thread from the
+# start. An engine's start waits (for mpiexec's other ranks, for the hub's heartbeat that
+# registers it); the import fills those waits instead of following them in _ENGINE_INIT,
+# whose own `import torch` (init_rank's) then waits for this one to end.
+_ENGINE_MAIN = ("import threading; "
+                "threading.Thread(target=__import__, args=('torch',), daemon=True).start(); "
+                "from ipyparallel.engine.app import main; main()")
+
 _ENGINE_INIT = """
 from pcourse.tools.cluster.interrupts import watch_interrupts as _pcourse_watch
 _pcourse_watch()
@@ -290,8 +298,8 @@ def _make_cluster(n: int, folder: Path, launcher: Launcher, env: dict[str, str],
     path_env = {"PATH": f"{mpi_bin}{os.pathsep}{os.environ.get('PATH', '')}", MARK: str(folder)}
     cluster = _ipp_cluster("mpi", n, folder, everywhere=hostfile is not None)
     cluster.config.MPILauncher.mpi_cmd = launcher.command
-    cluster.config.MPIEngineSetLauncher.engine_cmd = [*launcher.wrap, sys.executable, "-m",
-                                                      "ipyparallel.engine"]
+    cluster.config.MPIEngineSetLauncher.engine_cmd = [*launcher.wrap, sys.executable, "-c",
+                                                      _ENGINE_MAIN]
     cluster.config.MPIEngineSetLauncher.environment = {**path_env, **launcher.env, **env}
     cluster.config.LocalControllerLauncher.environment = path_env
     return cluster
