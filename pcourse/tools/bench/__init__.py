@@ -10,8 +10,8 @@ strategies built by ``sharded``, their traced steps by ``overlap``), ``tp`` (ten
 parallelism beside torch's), ``pp`` (pipeline parallelism, the bubble measured), and
 lesson 13's ``calibrate`` and ``predict`` (run as ``python -m pcourse.tools.bench.calibrate``
 and ``.predict``; every strategy as one step in ``strategies``, measured by ``measured``,
-torch's estimators in ``estimators``, the lesson's tables in ``report13``), and lesson
-14's ``restart`` (a run checkpointed, interrupted and resumed). Each
+torch's estimators in ``estimators``, the lesson's tables in ``report13``), lesson 14's
+``restart`` (a run checkpointed, killed, resumed) and ``elastic`` (under torchrun). Each
 measures with one function that runs on every rank of an MPI communicator, reached
 through two front doors (``jobs``):
 ``run_on(mc.view, ...)`` on a lesson's running engines, and
