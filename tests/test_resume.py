@@ -59,8 +59,14 @@ def test_fsdp_resumes_exactly_and_each_lost_part_breaks_it(mpi_run, p):
 
 
 @pytest.mark.slow
-def test_resume_on_gloo(mpi_run):
-    mpi_run(2, "check_resume.py", "gloo", expect="resume OK on 2 ranks (gloo)", timeout=300)
+@pytest.mark.parametrize("p, parts", [(2, "ddp,zero1,bad"), (3, "fsdp,vae")])
+def test_resume_on_gloo(mpi_run, p, parts):
+    """On Gloo too: each strategy and the VAE, exact, each lost part breaking it (DDP-style
+    at 2 and 3 ranks under torchrun too, below)."""
+    out = mpi_run(p, "check_resume.py", "gloo", parts, expect=f"resume OK on {p} ranks (gloo)",
+                  timeout=300)
+    for strategy in set(parts.split(",")) - {"bad"}:
+        assert f"{strategy} no optimizer state: params differ by up to" in out
 
 
 def test_the_generators_come_back_where_they_were():
