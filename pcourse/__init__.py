@@ -41,6 +41,7 @@ the two together):
     ``reshard``        a checkpoint resumed at another number of ranks: ZeRO-1's
                        slices re-cut (14)
     ``notices``        a rank that fails tells the others why, so they can name it (14)
+    ``checkpoint_interval`` how often to save: Young's interval, a run with failures (14)
 
 Under both, the runtime layer (``runtime/``): ranks and devices (``ranks``), waits with
 deadlines (``waits``), and the private names of torch, ipyparallel and ipykernel the
