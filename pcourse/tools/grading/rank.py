@@ -44,9 +44,12 @@ def main(where: str) -> None:
     # objects between ranks: data only. Re-initialising MPI.pickle is mpi4py's documented way
     # to change its serializer, which mypy calls unsound on an instance (hence the ignore).
     MPI.pickle.__init__(wire.dumps, wire.loads)  # type: ignore[misc]
-    wire.hold_tensors()  # a rank passes tensors on and never computes with one: no torch
     sock = relay.connect(Path(where), timeout=60.0)
     relay.send(sock, ("hello", MPI.COMM_WORLD.rank))
+    # torch now, while the learner processes warm up and before any trial: mpi4py's object
+    # reductions add the learner's tensors here, and an import there, inside a collective's
+    # deadline, made the other ranks time out on a loaded machine
+    import torch  # noqa: F401
     while True:
         try:
             message = relay.receive(sock)

@@ -95,8 +95,8 @@ def connect(path: Path, timeout: float = CONNECT_TIMEOUT) -> socket.socket:
 def die_with_parent() -> None:
     """In a child, before it runs its program: be killed when the parent dies (Linux), so
     nothing of a job outlives a grader that was killed. Here, not in :mod:`~pcourse.tools.
-    grading.job`, so that a rank can call it without importing torch (the job imports the
-    checks)."""
+    grading.job`, so that a rank can say hello before it imports torch (the job imports the
+    checks, and they torch)."""
     import ctypes
     import signal
 
@@ -305,11 +305,7 @@ def _comm_call(ln: Link, comm: Any, method: str, args: tuple, kwargs: dict,
     if method[0].isupper():
         for a in (*args, *kwargs.values()):
             _check_message(a)
-    if method in ("allreduce", "reduce"):  # mpi4py adds the objects here: tensors again
-        with wire.tensors():
-            result = getattr(comm, method)(*wire.unheld(args), **wire.unheld(kwargs))
-    else:
-        result = getattr(comm, method)(*args, **kwargs)
+    result = getattr(comm, method)(*args, **kwargs)
     MPI = _mpi()
     if isinstance(result, MPI.Request):
         return ("ok", Ref(ln.hold((result, buffers))), [])
@@ -382,8 +378,7 @@ def _decode(ln: Link, value: Any, buffers: list[np.ndarray], depth: int = 0) -> 
         return type(value)(_decode(ln, v, buffers, depth + 1) for v in value)
     if value is None or isinstance(value, bool | int | float | str):
         return value
-    what = "Tensor" if isinstance(value, wire.Held) else type(value).__name__
-    raise TypeError(f"{what} is not an argument the grader passes to MPI")
+    raise TypeError(f"{type(value).__name__} is not an argument the grader passes to MPI")
 
 
 def _check_message(spec: Any) -> None:

@@ -25,8 +25,6 @@ from __future__ import annotations
 import math
 import struct
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -110,45 +108,6 @@ DTYPES: tuple[str, ...] = ("bool", "uint8", "int8", "int16", "int32", "int64", "
 _NUMPY = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
 
 
-class Held(bytes):
-    """A tensor as its bytes of this format, for a process that only passes tensors on (a
-    grading rank: :func:`hold_tensors`): written back byte for byte, never imported into
-    torch, so that the rank need not import it."""
-
-
-_HOLD = False  # read tensors as Held (a rank), not as torch tensors
-
-
-def hold_tensors() -> None:
-    """From now on, tensors read in this process are :class:`Held` bytes (a grading rank's)."""
-    global _HOLD
-    _HOLD = True
-
-
-@contextmanager
-def tensors() -> Iterator[None]:
-    """Inside, tensors are read as tensors again, even where they are held (a rank in one
-    of mpi4py's object reductions, which adds the objects it receives)."""
-    global _HOLD
-    held, _HOLD = _HOLD, False
-    try:
-        yield
-    finally:
-        _HOLD = held
-
-
-def unheld(value: Any) -> Any:
-    """``value`` with every :class:`Held` in it (in lists, tuples and dicts) a tensor again."""
-    if isinstance(value, Held):
-        with tensors():
-            return loads(MAGIC + value)
-    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-        return type(value)(unheld(v) for v in value)
-    if isinstance(value, dict):
-        return {k: unheld(v) for k, v in value.items()}
-    return value
-
-
 def _torch() -> Any:
     """torch, imported only where a tensor is read (a process that never imported torch
     holds no tensor to write): a rank that only relays numbers never pays for it."""
@@ -185,8 +144,6 @@ def _write(v: Any, out: list, depth: int) -> None:
         out.append(struct.pack("<Bd", _FLOAT, float(v)))
     elif isinstance(v, complex | np.complexfloating):
         out.append(struct.pack("<Bdd", _COMPLEX, v.real, v.imag))
-    elif isinstance(v, Held):
-        out.append(bytes(v))
     elif isinstance(v, str):
         data = v.encode("utf-8", "surrogatepass")
         out.append(struct.pack("<BQ", _STR, len(data)) + data)
@@ -323,10 +280,6 @@ def _read(r: _Reader, depth: int) -> Any:
         return items if tag == _LIST else tuple(items)
     if tag == _DICT:
         return _read_dict(r, depth)
-    if tag == _TENSOR and _HOLD:
-        start = r.at - 1
-        _read_array(r, tensor=False, checked_only=True)
-        return Held(r.data[start:r.at])
     if tag in (_ARRAY, _TENSOR):
         return _read_array(r, tensor=tag == _TENSOR)
     if tag == _RECORD:
@@ -355,7 +308,7 @@ def _read_record(r: _Reader, depth: int) -> tuple:
     return cls(*(_read(r, depth + 1) for _ in range(n)))
 
 
-def _read_array(r: _Reader, tensor: bool, checked_only: bool = False) -> Any:
+def _read_array(r: _Reader, tensor: bool) -> Any:
     code, ndim = r.unpack("<BB")
     if code >= len(DTYPES) or ndim > MAX_NDIM:
         raise WireError(f"an array of dtype code {code} and {ndim} dimensions")
@@ -366,8 +319,6 @@ def _read_array(r: _Reader, tensor: bool, checked_only: bool = False) -> Any:
     if nbytes != math.prod(shape) * itemsize:
         raise WireError(f"an array of shape {shape} and dtype {name} in {nbytes} bytes")
     raw = r.take(nbytes)
-    if checked_only:  # a Held tensor: its header read and checked, its bytes kept
-        return None
     if name == "bfloat16":
         if not tensor:
             raise WireError("a numpy array of bfloat16 (numpy has none)")
